@@ -1,0 +1,35 @@
+"""aoffload: asyncio-native checkpointing and CPU optimizer offload for PyTorch and DeepSpeed.
+
+The trainer's event loop talks to spawned worker processes over pipes; every wait is
+an ``await`` that ends when the work is done or the worker dies.
+"""
+
+from __future__ import annotations
+
+from ._errors import AoffloadError as AoffloadError
+from ._errors import CheckpointError as CheckpointError
+from ._errors import ClosedError as ClosedError
+from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import InvalidStateError as InvalidStateError
+from ._errors import OptimizerError as OptimizerError
+from ._errors import RemoteError as RemoteError
+from ._errors import WorkerDiedError as WorkerDiedError
+from ._errors import WorkerError as WorkerError
+from ._errors import WorkerStartupError as WorkerStartupError
+from ._runner import run as run
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AoffloadError",
+    "CheckpointError",
+    "ClosedError",
+    "CorruptCheckpointError",
+    "InvalidStateError",
+    "OptimizerError",
+    "RemoteError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStartupError",
+    "run",
+)

@@ -1,0 +1,124 @@
+"""The worker side of the bridge: handshake, serve loop, errors sent back as objects.
+
+:func:`worker_main` is the spawn target. It imports the service named by a
+``"module:factory"`` string *inside* its own error handling, so an import failure
+reaches the trainer as :class:`~aoffload.WorkerStartupError` with the worker's
+traceback instead of a bare exit code.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+from ._protocol import Control, Failure, LogEvent, Ready, Reply, Request, StartupFailed
+
+
+class Service(Protocol):
+    """What a worker process serves. Built in the worker by ``factory(config)``."""
+
+    def handle(self, op: enum.Enum, payload: object) -> object:
+        """Run one operation and return its (picklable) result; raise to fail it."""
+
+    def close(self) -> None:
+        """Release the service's resources; called once, on shutdown."""
+
+
+class _Sender:
+    """Serialises every write to the reply pipe (replies and forwarded log records)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+class _ForwardingHandler(logging.Handler):
+    """Sends the worker's log records to the trainer, which re-emits them."""
+
+    def __init__(self, sender: _Sender) -> None:
+        super().__init__()
+        self._sender = sender
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._sender.send(LogEvent(record.name, record.levelno, self.format(record)))
+        except (OSError, ValueError):
+            self.handleError(record)
+
+
+def _failure_fields(exc: BaseException) -> tuple[str, str, str]:
+    kind = type(exc)
+    return (
+        f"{kind.__module__}.{kind.__qualname__}",
+        str(exc),
+        "".join(traceback.format_exception(exc)),
+    )
+
+
+def _own_stdio() -> None:
+    # The trainer's stdout may be a protocol of its own (JSON lines, a progress bar):
+    # anything the worker prints goes to stderr instead, and it never reads stdin.
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    # Ctrl-C reaches the whole process group; the trainer decides when the worker stops,
+    # so a half-written file is never abandoned by a KeyboardInterrupt here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def worker_main(
+    target: str, config: object, requests: Connection, replies: Connection, log_level: int
+) -> None:
+    """Spawn target: build the service, say READY, serve until SHUTDOWN or the trainer's end."""
+    _own_stdio()
+    sender = _Sender(replies)
+    handler = _ForwardingHandler(sender)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(log_level)
+    try:
+        module_name, _, attr = target.partition(":")
+        factory: Callable[[object], Service] = getattr(importlib.import_module(module_name), attr)
+        service = factory(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, then the worker exits
+        sender.send(StartupFailed(*_failure_fields(exc)))
+        return
+    sender.send(Ready(os.getpid()))
+    try:
+        _serve(service, requests, sender)
+    finally:
+        service.close()
+
+
+def _serve(service: Service, requests: Connection, sender: _Sender) -> None:
+    while True:
+        try:
+            request: Request = requests.recv()
+        except EOFError:
+            return  # the trainer is gone: nobody is left to serve
+        if request.op is Control.SHUTDOWN:
+            sender.send(Reply(request.id))
+            return
+        try:
+            value = service.handle(request.op, request.payload)
+        except Exception as exc:  # noqa: BLE001 - sent back as RemoteError; the worker goes on
+            sender.send(Failure(request.id, *_failure_fields(exc)))
+            continue
+        try:
+            sender.send(Reply(request.id, value))
+        except Exception as exc:  # noqa: BLE001 - an unpicklable result fails that request only
+            sender.send(Failure(request.id, *_failure_fields(exc)))

@@ -1,0 +1,242 @@
+"""The process bridge with a real spawned worker (the echo service)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+import aoffload
+from aoffload._bridge import Bridge, WorkerState
+from aoffload._echo import TARGET, EchoConfig, EchoOp
+
+from ._leaks import Snapshot, child_pids
+
+
+def echo(**kwargs: object) -> Bridge:
+    return Bridge(TARGET, EchoConfig(**kwargs), name="echo", close_timeout=10.0)  # type: ignore[arg-type]
+
+
+async def test_round_trips_typed_values() -> None:
+    async with echo() as bridge:
+        assert bridge.pid is not None
+        assert await bridge.request(EchoOp.PID) == bridge.pid
+        for value in (None, 1, "text", [1, 2.5, ("a", b"b")], {"k": {"nested": True}}):
+            assert await bridge.request(EchoOp.ECHO, value) == value
+        futures = [bridge.send(EchoOp.ECHO, i) for i in range(50)]
+        assert await asyncio.gather(*futures) == list(range(50))
+    assert bridge.pid is None
+    assert bridge.state is WorkerState.CLOSED
+
+
+async def test_remote_error_keeps_the_worker_serving() -> None:
+    async with echo() as bridge:
+        with pytest.raises(aoffload.RemoteError) as info:
+            await bridge.request(EchoOp.RAISE, "boom")
+        assert info.value.remote_type == "builtins.ValueError"
+        assert "boom" in str(info.value)
+        assert "ValueError: boom" in info.value.remote_traceback
+        assert isinstance(info.value, aoffload.WorkerError)
+        assert await bridge.request(EchoOp.ECHO, "still here") == "still here"
+
+
+async def test_sigkill_mid_request_fails_pending_and_later_requests() -> None:
+    async with echo() as bridge:
+        pid = bridge.pid
+        assert pid is not None
+        pending = [bridge.send(EchoOp.SLEEP, 30) for _ in range(3)]
+        os.kill(pid, signal.SIGKILL)
+        for future in pending:
+            with pytest.raises(aoffload.WorkerDiedError) as info:
+                await future
+            assert info.value.exitcode == -signal.SIGKILL
+            assert info.value.pid == pid
+        with pytest.raises(aoffload.WorkerDiedError):
+            await bridge.request(EchoOp.ECHO, 1)
+        with pytest.raises(aoffload.WorkerDiedError):
+            bridge.send(EchoOp.ECHO, 1)
+        assert bridge.pid is None
+    assert pid not in child_pids()
+
+
+async def test_death_of_a_worker_holding_memory_is_seen_promptly() -> None:
+    async with echo() as bridge:
+        assert await bridge.request(EchoOp.ALLOC, 256 << 20) == 256 << 20
+        pid = bridge.pid
+        assert pid is not None
+        pending = bridge.send(EchoOp.SLEEP, 60)
+        started = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(aoffload.WorkerDiedError):
+            await pending
+        # Not a speed assertion (the benchmark measures it): DeepSpeed needs ~10 s, a poll 1 s.
+        assert time.perf_counter() - started < 2.0
+
+
+async def test_worker_exiting_on_its_own_reports_its_exit_code() -> None:
+    async with echo() as bridge:
+        with pytest.raises(aoffload.WorkerDiedError) as info:
+            await bridge.request(EchoOp.EXIT, 3)
+        assert info.value.exitcode == 3
+        assert "exited with code 3" in str(info.value)
+
+
+async def test_startup_import_error_carries_the_worker_traceback() -> None:
+    before = child_pids()
+    with pytest.raises(aoffload.WorkerStartupError, match="No module named 'aoffload._nope'"):
+        async with Bridge("aoffload._nope:create", name="broken"):
+            pass
+    assert child_pids() == before
+
+
+async def test_startup_constructor_error_carries_the_worker_traceback() -> None:
+    with pytest.raises(aoffload.WorkerStartupError) as info:
+        async with echo(fail_on_start=True):
+            pass
+    assert "configured to fail on start" in str(info.value)
+    assert "Worker traceback" in str(info.value)
+
+
+async def test_startup_timeout_kills_the_worker() -> None:
+    before = child_pids()
+    bridge = Bridge(TARGET, EchoConfig(start_delay=30), name="slow", start_timeout=0.5)
+    with pytest.raises(aoffload.WorkerStartupError, match="did not become ready within 0.5 s"):
+        await bridge.start()
+    assert child_pids() == before
+    assert bridge.state is WorkerState.CLOSED
+
+
+async def test_cancelling_a_wait_abandons_only_that_wait() -> None:
+    async with echo() as bridge:
+        task = asyncio.create_task(bridge.request(EchoOp.SLEEP, 0.3))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The late reply of the sleep must not be routed to the next request.
+        assert await bridge.request(EchoOp.ECHO, "next") == "next"
+        assert await bridge.request(EchoOp.ECHO, "again") == "again"
+        assert bridge.outstanding == 0
+
+
+async def test_asyncio_timeout_around_a_request() -> None:
+    async with echo() as bridge:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await bridge.request(EchoOp.SLEEP, 0.5)
+        assert await bridge.request(EchoOp.ECHO, 42) == 42
+
+
+async def test_use_before_start_and_after_close_is_a_closed_error() -> None:
+    bridge = echo()
+    with pytest.raises(aoffload.ClosedError):
+        bridge.send(EchoOp.ECHO, 1)
+    async with bridge:
+        pass
+    with pytest.raises(aoffload.ClosedError):
+        await bridge.request(EchoOp.ECHO, 1)
+    await bridge.aclose()  # idempotent
+    with pytest.raises(aoffload.ClosedError):
+        await bridge.start()
+
+
+async def test_close_drains_requests_already_sent() -> None:
+    bridge = echo()
+    await bridge.start()
+    futures = [bridge.send(EchoOp.SLEEP, 0.02) for _ in range(5)]
+    last = bridge.send(EchoOp.ECHO, "last")
+    await bridge.aclose()
+    assert [f.result() for f in futures] == [None] * 5
+    assert last.result() == "last"
+    assert bridge.exitcode == 0
+
+
+async def test_shutdown_ladder_terminates_then_kills_a_stuck_worker() -> None:
+    bridge = Bridge(TARGET, name="stuck", close_timeout=0.3)
+    await bridge.start()
+    pid = bridge.pid
+    await bridge.request(EchoOp.IGNORE_TERM)
+    stuck = bridge.send(EchoOp.SLEEP, 60)
+    started = time.perf_counter()
+    await bridge.aclose()
+    assert time.perf_counter() - started < 15
+    assert bridge.exitcode == -signal.SIGKILL
+    assert pid not in child_pids()
+    with pytest.raises(aoffload.ClosedError):
+        stuck.result()
+
+
+async def test_cancelled_close_still_leaves_nothing_behind() -> None:
+    bridge = Bridge(TARGET, name="cancelled-close", close_timeout=5.0)
+    await bridge.start()
+    pid = bridge.pid
+    bridge.send(EchoOp.SLEEP, 60)
+    closing = asyncio.create_task(bridge.aclose())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert bridge.state is WorkerState.CLOSED
+    for _ in range(50):  # SIGKILL was sent; the reader thread reaps the worker shortly
+        if pid not in child_pids():
+            break
+        await asyncio.sleep(0.01)
+    assert pid not in child_pids()
+
+
+async def test_stray_print_in_worker_goes_to_stderr_not_the_protocol(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    async with echo() as bridge:
+        await bridge.request(EchoOp.PRINT, "stray-worker-print")
+        assert await bridge.request(EchoOp.ECHO, "intact") == "intact"
+    captured = capfd.readouterr()
+    assert "stray-worker-print" not in captured.out
+    assert "stray-worker-print" in captured.err
+
+
+async def test_worker_log_records_reach_the_trainer_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with echo() as bridge:
+        await bridge.request(EchoOp.LOG, "from the worker")
+        await bridge.request(EchoOp.ECHO, None)  # the log record was sent before this reply
+    records = [r for r in caplog.records if r.name == "aoffload._echo"]
+    assert records
+    assert "from the worker" in records[0].getMessage()
+
+
+async def test_repeated_open_close_leaks_nothing() -> None:
+    async with echo() as bridge:  # warm-up: first-use imports and caches
+        await bridge.request(EchoOp.ECHO, 0)
+    before = Snapshot.take()
+    for i in range(5):
+        async with echo() as bridge:
+            assert await bridge.request(EchoOp.ECHO, i) == i
+    with pytest.raises(aoffload.WorkerDiedError):
+        async with echo() as bridge:
+            pid = bridge.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await bridge.request(EchoOp.SLEEP, 10)
+    leaks = Snapshot.take().leaked_since(before)
+    assert not leaks, leaks
+
+
+async def test_the_loop_guard_catches_a_blocked_loop(loop_block_guard: object) -> None:
+    time.sleep(0.12)  # deliberately block this test step
+    await asyncio.sleep(0)
+    slow = getattr(loop_block_guard, "slow")
+    assert slow, "asyncio debug mode did not report a 120 ms blocking step"
+    slow.clear()
+
+
+def test_run_uses_uvloop_when_installed() -> None:
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    pytest.importorskip("uvloop")
+    assert aoffload.run(loop_module()).startswith("uvloop")
