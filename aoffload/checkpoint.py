@@ -274,8 +274,12 @@ def _read_verify_load(path: Path, entry: dict[str, Any], map_location: Any, veri
 
 
 async def _read_text(path: Path, executor: DaemonThreadExecutor) -> str:
-    async with aiofiles.open(path, encoding="utf-8", executor=executor) as file:
+    # Not `async with`: aiofiles closes a context-managed file on the default executor.
+    file = await aiofiles.open(path, encoding="utf-8", executor=executor)
+    try:
         return await file.read()
+    finally:
+        await file.close()
 
 
 async def _read_manifest(path: Path, executor: DaemonThreadExecutor) -> dict[str, Any]:
@@ -679,6 +683,7 @@ class CheckpointEngine:
         if self._bridge is None:
             resolved = _validate_tag(tag) if tag is not None else ""
             return CommitResult(resolved, self._directory / resolved, (), 0, 0.0, 0.0, 0.0)
+        self._bridge.check()
         if tag is None:
             if len(self._open) != 1:
                 raise InvalidStateError(
@@ -693,7 +698,6 @@ class CheckpointEngine:
         if open_tag is None:
             raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
         if open_tag.commit is None:
-            self._bridge.check()
             open_tag.commit = asyncio.create_task(self._commit(open_tag, self._last_commit))
             open_tag.commit.add_done_callback(_consume)
             self._last_commit = open_tag.commit
@@ -786,13 +790,16 @@ class CheckpointEngine:
         self._latest = tag
 
     async def _write_durably(self, path: Path, text: str) -> None:
-        async with aiofiles.open(path, "w", encoding="utf-8", executor=self._executor()) as file:
+        file = await aiofiles.open(path, "w", encoding="utf-8", executor=self._executor())
+        try:
             await file.write(text)
             await file.flush()
             if self._durable:
                 await asyncio.get_running_loop().run_in_executor(
                     self._executor(), os.fsync, file.fileno()
                 )
+        finally:
+            await file.close()
 
     async def _fsync(self, path: Path) -> None:
         if self._durable:
