@@ -209,6 +209,10 @@ def _plan(state: object, name: str) -> _Plan:
 def _stage(region: Region, plan: _Plan) -> float:
     """Copy the plan's tensors into ``region`` (on the engine's I/O thread)."""
     started = time.perf_counter()
+    if torch.get_num_threads() != 1:
+        # Per thread under OpenMP: only this I/O thread copies single-threaded. Intra-op
+        # workers spinning after each parallel copy starved the event loop on small hosts.
+        torch.set_num_threads(1)
     array = region.segment.array
     if array is None:
         raise ClosedError("the checkpoint engine's staging memory was released")
