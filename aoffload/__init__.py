@@ -17,17 +17,23 @@ from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
 from ._runner import run as run
+from .optimizer import CPUAdam as CPUAdam
+from .optimizer import StepKind as StepKind
+from .optimizer import StepResult as StepResult
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AoffloadError",
+    "CPUAdam",
     "CheckpointError",
     "ClosedError",
     "CorruptCheckpointError",
     "InvalidStateError",
     "OptimizerError",
     "RemoteError",
+    "StepKind",
+    "StepResult",
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",
