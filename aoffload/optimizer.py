@@ -290,6 +290,7 @@ class CPUAdam:
         self._pending: set[_Pending] = set()
         self._completed: collections.deque[_Pending] = collections.deque()
         self._waiters: set[asyncio.Future[None]] = set()
+        self._idle_waiters: set[asyncio.Future[None]] = set()
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -526,14 +527,20 @@ class CPUAdam:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        if not self._pending or self._closed:
+            for waiter in self._idle_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
-    async def _wait_for_change(self) -> None:
+    async def _wait_for_change(self, *, idle: bool = False) -> None:
+        # Each wait has its own future, so a cancelled wait never disturbs another.
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
+        waiters = self._idle_waiters if idle else self._waiters
+        waiters.add(waiter)
         try:
             await waiter
         finally:
-            self._waiters.discard(waiter)
+            waiters.discard(waiter)
 
     async def _next_completed(self) -> _Pending | None:
         while not self._completed:
@@ -557,7 +564,7 @@ class CPUAdam:
         Cancelling the wait consumes nothing: a later ``drain()`` returns every result.
         """
         while self._pending:
-            await self._wait_for_change()
+            await self._wait_for_change(idle=True)  # one wake-up when the last step is done
         finished, self._completed = list(self._completed), collections.deque()
         results: list[StepResult] = []
         first_error: BaseException | None = None
