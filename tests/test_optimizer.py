@@ -338,3 +338,15 @@ async def test_no_leaks_after_close() -> None:
     before = Snapshot.take()
     await _one_lifecycle()
     assert Snapshot.take().leaked_since(before) == []
+
+
+async def test_torch_backend_without_bias_correction() -> None:
+    groups = [{"lr": 0.01, "bias_correction": False}, {"lr": 0.01}]
+    async with CPUAdam(groups, backend="torch", worker_cores=None) as opt:
+        params = [torch.ones(8), torch.ones(8)]
+        for gid, p in enumerate(params):
+            opt.submit(gid, gid, p, torch.ones(8))
+        await opt.drain()
+    # Uncorrected first step: lr * (1 - b1) / sqrt(1 - b2); corrected: lr.
+    assert 1.0 - params[0][0].item() == pytest.approx(0.01 * 0.1 / 0.001**0.5, rel=1e-4)
+    assert 1.0 - params[1][0].item() == pytest.approx(0.01, rel=1e-4)
