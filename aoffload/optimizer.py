@@ -231,9 +231,11 @@ class StepResults:
         self._optimizer = optimizer
 
     def __aiter__(self) -> StepResults:
+        """Return this iterator."""
         return self
 
     async def __anext__(self) -> StepResult:
+        """The next finished step; raises that step's error if it failed."""
         pending = await self._optimizer._next_completed()
         if pending is None:
             raise StopAsyncIteration
