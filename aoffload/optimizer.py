@@ -32,17 +32,17 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
 from ._adam_worker import TARGET, AdamConfig, AdamOp, Done, GroupConfig, Info, Register, Step
+from ._affinity import Affinity, split_cores
 from ._bridge import Bridge, DaemonThreadExecutor
 from ._errors import ClosedError, OptimizerError
 
-__all__ = ["CPUAdam", "StepKind", "StepResult"]
+__all__ = ["CPUAdam", "StepKind", "StepResult", "StepResults", "split_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,51 +71,6 @@ class StepResult:
     step: int
     param: torch.Tensor = field(repr=False)
     seconds: float
-
-
-def split_cores(allowed: Sequence[int], worker_fraction: float) -> tuple[list[int], list[int]]:
-    """Split ``allowed`` CPUs into (trainer, worker) as DeepSpeed's ``cpuadam_cores_perc`` does.
-
-    The worker takes the last ``round(worker_fraction * n)`` CPUs, but each side keeps at
-    least one: on 2 CPUs any fraction gives one each (DeepSpeed's split silently leaves the
-    affinity unchanged there). With a single CPU both sides share it.
-    """
-    cores = list(allowed)
-    if len(cores) < 2:
-        return cores, cores
-    worker = min(max(round(worker_fraction * len(cores)), 1), len(cores) - 1)
-    return cores[: len(cores) - worker], cores[len(cores) - worker :]
-
-
-class _Affinity:
-    """Pins this process's threads to the trainer's CPUs and puts them back on close."""
-
-    def __init__(self) -> None:
-        self._saved: dict[int, set[int]] = {}
-        self._threads: int | None = None
-
-    def apply(self, original: set[int], trainer: list[int]) -> None:
-        for task in Path("/proc/self/task").iterdir():
-            tid = int(task.name)
-            try:
-                if os.sched_getaffinity(tid) == original:
-                    os.sched_setaffinity(tid, trainer)
-                    self._saved[tid] = original
-            except OSError:
-                continue  # the thread ended meanwhile
-        self._threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, min(self._threads, len(trainer))))
-
-    def restore(self) -> None:
-        for tid, cores in self._saved.items():
-            try:
-                os.sched_setaffinity(tid, cores)
-            except OSError:
-                continue
-        self._saved.clear()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-            self._threads = None
 
 
 def _group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
@@ -286,7 +241,7 @@ class CPUAdam:
         self._close_timeout = close_timeout
         self._bridge: Bridge | None = None
         self._backend: str | None = None
-        self._affinity = _Affinity()
+        self._affinity = Affinity()
         self._executor: DaemonThreadExecutor | None = None
         self._subgroups: dict[tuple[int, int], _SubGroup] = {}
         self._pending: set[_Pending] = set()
