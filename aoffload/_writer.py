@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import enum
 import io
 import logging
@@ -112,6 +113,23 @@ class SyncTree:
     root: str
 
 
+_GIL_FREE_COPY = 1 << 16
+
+
+def _copy(target: memoryview, source: memoryview) -> None:
+    """``target[:] = source``, without holding the GIL for large blocks.
+
+    A slice assignment holds the GIL for the whole memcpy, which stalls the I/O thread
+    waiting to return from its ``write``; ``ctypes.memmove`` releases it.
+    """
+    if len(source) < _GIL_FREE_COPY:
+        target[:] = source
+        return
+    destination = np.frombuffer(target, dtype=np.uint8)
+    origin = np.frombuffer(source, dtype=np.uint8)
+    ctypes.memmove(destination.ctypes.data, origin.ctypes.data, len(source))
+
+
 class _Sink(io.RawIOBase):
     """A write-only stream that hashes everything and writes large blocks to ``fd``.
 
@@ -151,7 +169,7 @@ class _Sink(io.RawIOBase):
         while done < len(view):
             bounce = self._buffers[self._current]
             take = min(len(bounce) - self._fill, len(view) - done)
-            bounce[self._fill : self._fill + take] = view[done : done + take]
+            _copy(bounce[self._fill : self._fill + take], view[done : done + take])
             self._fill += take
             done += take
             if self._fill == len(bounce):
