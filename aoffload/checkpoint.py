@@ -617,10 +617,20 @@ class CheckpointEngine:
         bridge = self._bridge
         if bridge is None:
             return
-        region, new_segment = open_tag.slot.allocate(plan.nbytes)
-        if new_segment is not None:
-            self._map(bridge, new_segment)
         loop = asyncio.get_running_loop()
+        # A new segment is reserved and populated page by page (~100 ms per 256 MiB): on
+        # the I/O thread, never on the loop. The writer maps it as soon as it exists, even
+        # if this save() was cancelled meanwhile, since later saves may use its space.
+        allocation = loop.run_in_executor(self._executor(), open_tag.slot.allocate, plan.nbytes)
+
+        def map_new_segment(done: asyncio.Future[tuple[Region, Segment | None]]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                new_segment = done.result()[1]
+                if new_segment is not None:
+                    self._map(bridge, new_segment)
+
+        allocation.add_done_callback(map_new_segment)
+        region, _ = await asyncio.shield(allocation)
         copy = loop.run_in_executor(self._executor(), _stage, region, plan)
         # Cancelling save() abandons the wait; the copy ends on the I/O thread, which
         # runs the next copy into this slot only after it.
