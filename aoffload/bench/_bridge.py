@@ -1,0 +1,163 @@
+"""Bridge section: tiny-request round trips and worker-death detection."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from .._bridge import Bridge
+from .._echo import TARGET, EchoOp
+from .._errors import WorkerDiedError
+from ._common import Report, progress
+
+SECTION = "bridge"
+
+
+def _plain_echo(conn: Connection) -> None:
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        conn.send(message)
+
+
+def _blocking_pipe_round_trip(requests: int, reps: int) -> list[float]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_plain_echo, args=(child,), daemon=True)
+    process.start()
+    child.close()
+    try:
+        parent.send(0)
+        parent.recv()
+        samples = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            for i in range(requests):
+                parent.send(i)
+                parent.recv()
+            samples.append((time.perf_counter() - started) / requests * 1e3)
+        return samples
+    finally:
+        parent.close()
+        process.join(10)
+
+
+async def _thread_bridged_pipe_round_trip(requests: int, reps: int) -> list[float]:
+    """A pipe whose every recv() goes through run_in_executor: the floor for thread bridging."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_plain_echo, args=(child,), daemon=True)
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        await loop.run_in_executor(executor, process.start)
+        child.close()
+        try:
+            parent.send(0)
+            await loop.run_in_executor(executor, parent.recv)
+            samples = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                for i in range(requests):
+                    parent.send(i)
+                    await loop.run_in_executor(executor, parent.recv)
+                samples.append((time.perf_counter() - started) / requests * 1e3)
+            return samples
+        finally:
+            parent.close()
+            await loop.run_in_executor(executor, process.join, 10)
+
+
+async def _bridge_round_trip(requests: int, reps: int) -> list[float]:
+    async with Bridge(TARGET, name="bench-echo") as bridge:
+        await bridge.request(EchoOp.ECHO, 0)
+        samples = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            for i in range(requests):
+                await bridge.request(EchoOp.ECHO, i)
+            samples.append((time.perf_counter() - started) / requests * 1e3)
+        return samples
+
+
+async def _death_detection(hold_bytes: int, reps: int) -> list[float]:
+    samples = []
+    for _ in range(reps):
+        async with Bridge(TARGET, name="bench-victim") as bridge:
+            await bridge.request(EchoOp.ALLOC, hold_bytes)
+            pending = bridge.send(EchoOp.SLEEP, 60)
+            pid = bridge.pid
+            if pid is None:
+                raise RuntimeError("the benchmark worker is not running")
+            started = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            try:
+                await pending
+            except WorkerDiedError:
+                samples.append((time.perf_counter() - started) * 1e3)
+    return samples
+
+
+def _loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    loops: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+
+        loops["uvloop"] = uvloop.new_event_loop
+    except ImportError:
+        pass
+    return loops
+
+
+def run(report: Report, *, quick: bool) -> None:
+    """Measure the bridge's round trip against plain pipes, and death detection."""
+    requests, reps = (500, 3) if quick else (2000, 7)
+    progress(f"bridge: blocking pipe round trip ({reps} x {requests})")
+    baseline = report.add(
+        SECTION,
+        "plain blocking pipe",
+        "round trip",
+        "ms",
+        _blocking_pipe_round_trip(requests, reps),
+    )
+    loops = _loops()
+    if "uvloop" not in loops:
+        report.skip(SECTION, "aoffload bridge on uvloop", "uvloop is not installed")
+    for name, factory in loops.items():
+        progress(f"bridge: round trips on {name}")
+        with asyncio.Runner(loop_factory=factory) as runner:
+            floor = report.add(
+                SECTION,
+                f"run_in_executor pipe ({name})",
+                "round trip",
+                "ms",
+                runner.run(_thread_bridged_pipe_round_trip(requests, reps)),
+            )
+            ours = report.add(
+                SECTION,
+                f"aoffload bridge ({name})",
+                "round trip",
+                "ms",
+                runner.run(_bridge_round_trip(requests, reps)),
+            )
+        report.ratio(SECTION, f"aoffload bridge ({name}) / plain blocking pipe", ours, baseline)
+        report.ratio(SECTION, f"aoffload bridge ({name}) / run_in_executor pipe", ours, floor)
+    hold, kills = (256 << 20, 3) if quick else (2 << 30, 10)
+    progress(f"bridge: death detection, worker holding {hold >> 20} MiB, {kills} kills")
+    samples = asyncio.run(_death_detection(hold, kills))
+    report.add(
+        SECTION,
+        "aoffload bridge",
+        f"death detected after SIGKILL ({hold >> 20} MiB held)",
+        "ms",
+        samples,
+        note=f"median of {len(samples)}; {statistics.median(samples):.1f} ms",
+    )

@@ -1,0 +1,217 @@
+"""Optimizer section: aoffload's CPUAdam against in-process optimizers and DeepSpeed's
+SuperOffload worker driven as its stage-3 optimizer drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._common import Report, progress
+
+SECTION = "optimizer"
+CONFIG: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "amsgrad": False,
+}
+
+
+def _subgroups(count: int, numel: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(count * numel)
+    return [
+        (torch.randn(numel, generator=generator), torch.randn(numel, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _timed(call: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    call()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _deepspeed_in_process(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    params = [torch.nn.Parameter(p.clone()) for p, _ in groups]
+    for param, (_, grad) in zip(params, groups, strict=True):
+        param.grad = grad
+    optimizer = DeepSpeedCPUAdam(
+        [params[0]],
+        lr=CONFIG["lr"],
+        betas=CONFIG["betas"],
+        eps=CONFIG["eps"],
+        weight_decay=CONFIG["weight_decay"],
+    )
+
+    def step() -> None:
+        for index, param in enumerate(params):
+            optimizer.param_groups[0]["params"] = [param]
+            optimizer.step_subgroup(index)
+
+    return step
+
+
+def _torch_fused(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    params = [torch.nn.Parameter(p.clone()) for p, _ in groups]
+    for param, (_, grad) in zip(params, groups, strict=True):
+        param.grad = grad
+    optimizer = torch.optim.Adam(
+        params,
+        lr=CONFIG["lr"],
+        betas=CONFIG["betas"],
+        eps=CONFIG["eps"],
+        weight_decay=CONFIG["weight_decay"],
+        fused=True,
+    )
+    return optimizer.step
+
+
+def _superoffload(
+    groups: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[Any, Callable[[], None]]:
+    from deepspeed.runtime.superoffload.superoffload_utils import SuperOffloadCPUOptimizer
+
+    numel = max(p.numel() for p, _ in groups)
+    optimizer = SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=numel)
+    params = [p.clone() for p, _ in groups]
+
+    def step() -> None:
+        for index, (param, (_, grad)) in enumerate(zip(params, groups, strict=True)):
+            optimizer.async_step(0, index, param, grad)
+        received = 0
+        while received < len(params):  # what DeepSpeed's stage 3 does: poll and sleep 1 ms
+            result = optimizer.get_result()
+            if result is None:
+                time.sleep(0.001)
+                continue
+            received += 1
+
+    return optimizer, step
+
+
+async def _aoffload(
+    groups: list[tuple[torch.Tensor, torch.Tensor]], backend: str, reps: int
+) -> tuple[list[float], list[float]]:
+    import aoffload
+
+    params = [p.clone() for p, _ in groups]
+    grads = [g.clone() for _, g in groups]
+    walls, cpus = [], []
+    async with aoffload.CPUAdam([dict(CONFIG)], backend=backend) as optimizer:
+        for rep in range(reps + 1):  # the first pass registers the tensors: warm-up
+            wall, cpu = time.perf_counter(), time.process_time()
+            for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                optimizer.submit(0, index, param, grad)
+            async for _ in optimizer.results():
+                pass
+            if rep:
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+    return walls, cpus
+
+
+def run(report: Report, *, quick: bool) -> None:
+    """Measure the optimizer pipelines."""
+    reps = 3 if quick else 7
+    shapes = ((16, 1 << 20),) if quick else ((16, 1 << 20), (4, 10 << 20))
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        for count, numel in shapes:
+            _shape(report, count, numel, reps)
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
+def _shape(report: Report, count: int, numel: int, reps: int) -> None:
+    label = f"{count} x {numel / 1e6:.0f}M"
+    groups = _subgroups(count, numel)
+    baseline = None
+    progress(f"optimizer {label}: in-process DeepSpeedCPUAdam")
+    try:
+        step = _deepspeed_in_process(groups)
+        step()  # warm-up (and the op's first load)
+        runs = [_timed(step) for _ in range(reps)]
+        baseline = report.add(
+            SECTION, "in-process DeepSpeedCPUAdam", f"{label} step", "s", [r[0] for r in runs]
+        )
+    except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
+        report.skip(SECTION, "in-process DeepSpeedCPUAdam", f"{type(exc).__name__}: {exc}"[:300])
+
+    progress(f"optimizer {label}: torch.optim.Adam(fused=True)")
+    step = _torch_fused(groups)
+    step()
+    fused = report.add(
+        SECTION,
+        "in-process torch Adam(fused=True)",
+        f"{label} step",
+        "s",
+        [_timed(step)[0] for _ in range(reps)],
+    )
+    baseline = baseline or fused
+
+    progress(f"optimizer {label}: DeepSpeed SuperOffloadCPUOptimizer (1 ms sleep polling)")
+    try:
+        optimizer, step = _superoffload(groups)
+        try:
+            step()
+            runs = [_timed(step) for _ in range(reps)]
+        finally:
+            with contextlib.suppress(Exception):
+                optimizer.close()
+        ref = report.add(
+            SECTION,
+            "DeepSpeed SuperOffloadCPUOptimizer",
+            f"{label} pipeline",
+            "s",
+            [r[0] for r in runs],
+        )
+        report.add(
+            SECTION,
+            "DeepSpeed SuperOffloadCPUOptimizer",
+            f"{label} trainer CPU while waiting (% of a core)",
+            "%",
+            [100 * r[1] / r[0] for r in runs],
+        )
+        report.ratio(SECTION, f"{label}: DeepSpeed SuperOffload / in-process", ref, baseline)
+    except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
+        report.skip(
+            SECTION, "DeepSpeed SuperOffloadCPUOptimizer", f"{type(exc).__name__}: {exc}"[:300]
+        )
+
+    for backend in ("deepspeed", "torch"):
+        system = f"aoffload CPUAdam ({backend})"
+        progress(f"optimizer {label}: {system}")
+        try:
+            walls, cpus = asyncio.run(_aoffload(groups, backend, reps))
+        except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
+            report.skip(SECTION, system, f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        ours = report.add(SECTION, system, f"{label} pipeline", "s", walls)
+        report.add(
+            SECTION,
+            system,
+            f"{label} trainer CPU while waiting (% of a core)",
+            "%",
+            [100 * c / w for c, w in zip(cpus, walls, strict=True)],
+        )
+        if baseline is not None:
+            report.add(
+                SECTION,
+                system,
+                f"{label} overhead per sub-group step",
+                "ms",
+                [(w - baseline.median) / count * 1e3 for w in walls],
+            )
+        report.ratio(SECTION, f"{label}: {system} / {baseline.system}", ours, baseline)
+        report.ratio(SECTION, f"{label}: {system} / torch Adam(fused=True)", ours, fused)
