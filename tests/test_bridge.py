@@ -14,6 +14,7 @@ from aoffload._bridge import Bridge, WorkerState
 from aoffload._echo import TARGET, EchoConfig, EchoOp
 
 from ._leaks import Snapshot, child_pids
+from .conftest import LoopBlockGuard
 
 
 def echo(**kwargs: object) -> Bridge:
@@ -86,7 +87,7 @@ async def test_worker_exiting_on_its_own_reports_its_exit_code() -> None:
 
 async def test_startup_import_error_carries_the_worker_traceback() -> None:
     before = child_pids()
-    with pytest.raises(aoffload.WorkerStartupError, match="No module named 'aoffload._nope'"):
+    with pytest.raises(aoffload.WorkerStartupError, match=r"No module named 'aoffload\._nope'"):
         async with Bridge("aoffload._nope:create", name="broken"):
             pass
     assert child_pids() == before
@@ -103,7 +104,7 @@ async def test_startup_constructor_error_carries_the_worker_traceback() -> None:
 async def test_startup_timeout_kills_the_worker() -> None:
     before = child_pids()
     bridge = Bridge(TARGET, EchoConfig(start_delay=30), name="slow", start_timeout=0.5)
-    with pytest.raises(aoffload.WorkerStartupError, match="did not become ready within 0.5 s"):
+    with pytest.raises(aoffload.WorkerStartupError, match=r"did not become ready within 0\.5 s"):
         await bridge.start()
     assert child_pids() == before
     assert bridge.state is WorkerState.CLOSED
@@ -216,22 +217,21 @@ async def test_repeated_open_close_leaks_nothing() -> None:
     for i in range(5):
         async with echo() as bridge:
             assert await bridge.request(EchoOp.ECHO, i) == i
-    with pytest.raises(aoffload.WorkerDiedError):
-        async with echo() as bridge:
-            pid = bridge.pid
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
+    async with echo() as bridge:
+        pid = bridge.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(aoffload.WorkerDiedError):
             await bridge.request(EchoOp.SLEEP, 10)
     leaks = Snapshot.take().leaked_since(before)
     assert not leaks, leaks
 
 
-async def test_the_loop_guard_catches_a_blocked_loop(loop_block_guard: object) -> None:
-    time.sleep(0.12)  # deliberately block this test step
+async def test_the_loop_guard_catches_a_blocked_loop(loop_block_guard: LoopBlockGuard) -> None:
+    time.sleep(0.12)  # noqa: ASYNC251 - deliberately block this test step
     await asyncio.sleep(0)
-    slow = getattr(loop_block_guard, "slow")
-    assert slow, "asyncio debug mode did not report a 120 ms blocking step"
-    slow.clear()
+    assert loop_block_guard.slow, "asyncio debug mode did not report a 120 ms blocking step"
+    loop_block_guard.slow.clear()
 
 
 def test_run_uses_uvloop_when_installed() -> None:

@@ -1,0 +1,61 @@
+"""The public surface: every exported name is documented, and nothing public is left out."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import types
+
+import aoffload
+
+
+def test_all_names_exist_and_are_documented() -> None:
+    for name in aoffload.__all__:
+        obj = getattr(aoffload, name)
+        assert inspect.getdoc(obj), f"aoffload.{name} has no docstring"
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") and attr not in ("__aiter__", "__anext__"):
+                    continue
+                if callable(member) or isinstance(member, property):
+                    assert inspect.getdoc(member), f"aoffload.{name}.{attr} has no docstring"
+
+
+def test_every_public_name_is_in_all() -> None:
+    public = {
+        name
+        for name, obj in vars(aoffload).items()
+        if not name.startswith("_")
+        and not isinstance(obj, types.ModuleType)
+        and name not in ("annotations",)
+    }
+    assert public == set(aoffload.__all__)
+    assert isinstance(aoffload.__all__, tuple)
+
+
+def test_error_tree_matches_the_contract() -> None:
+    assert issubclass(aoffload.WorkerDiedError, aoffload.WorkerError)
+    assert issubclass(aoffload.RemoteError, aoffload.WorkerError)
+    assert issubclass(aoffload.WorkerStartupError, aoffload.WorkerError)
+    assert issubclass(aoffload.InvalidStateError, aoffload.CheckpointError)
+    assert issubclass(aoffload.InvalidStateError, TypeError)
+    assert issubclass(aoffload.InvalidStateError, ValueError)
+    assert issubclass(aoffload.CorruptCheckpointError, aoffload.CheckpointError)
+    assert issubclass(aoffload.OptimizerError, ValueError)
+    for error in (
+        aoffload.ClosedError,
+        aoffload.WorkerError,
+        aoffload.CheckpointError,
+        aoffload.OptimizerError,
+    ):
+        assert issubclass(error, aoffload.AoffloadError)
+
+
+def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop() -> None:
+    code = (
+        "import sys, aoffload; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'uvloop')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
