@@ -1,0 +1,138 @@
+"""How long the trainer waits in ``save_checkpoint`` and at the next ``step()``.
+
+aoffload's AsyncCheckpointEngine against DeepSpeed's own decoupled engine (python writer), in
+the same process on the same model. Run as a script for the figures::
+
+    python -m tests.test_deepspeed_stall
+
+As a test it checks only that both engines end with ``latest`` naming a loadable checkpoint;
+speed is measured, never asserted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is not installed (pip install aoffload[deepspeed])"
+)
+
+from tests.test_deepspeed import CONFIG, read_latest, single_process_env
+
+pytestmark = pytest.mark.deepspeed
+
+WIDTH = 1024  # ~2.1 M parameters: ~25 MB of checkpoint with Adam's moments
+
+
+def _model_config(decoupled: bool) -> dict[str, Any]:
+    config = dict(CONFIG)
+    if decoupled:
+        config["checkpoint"] = {
+            "writer": {"type": "python", "decoupled": True, "data_parallel": "replica"}
+        }
+    return config
+
+
+def _engine(decoupled: bool) -> Any:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(), torch.nn.Linear(WIDTH, 1),
+    )  # fmt: skip
+    single_process_env()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, config=_model_config(decoupled), model_parameters=model.parameters()
+    )
+    return engine
+
+
+def _forward_backward(engine: Any) -> None:
+    loss = engine(torch.randn(4, 8)).pow(2).mean()
+    engine.backward(loss)
+
+
+def measure(engine: Any, directory: Path, rounds: int, wait: Any) -> dict[str, float]:
+    """Median seconds in save_checkpoint, in the committing step(), and in a plain step()."""
+    saves, commit_steps, plain_steps = [], [], []
+    for index in range(rounds):
+        _forward_backward(engine)
+        start = time.perf_counter()
+        engine.step()
+        plain_steps.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.save_checkpoint(str(directory), tag=f"step{index}")
+        saves.append(time.perf_counter() - start)
+        _forward_backward(engine)
+        start = time.perf_counter()
+        engine.step()  # the decoupled commit happens here
+        commit_steps.append(time.perf_counter() - start)
+        wait()
+    return {
+        "save_checkpoint": statistics.median(saves),
+        "commit step": statistics.median(commit_steps),
+        "plain step": statistics.median(plain_steps),
+    }
+
+
+def compare(root: Path, rounds: int = 3) -> dict[str, dict[str, float]]:
+    from aoffload.deepspeed import install
+
+    figures = {}
+    theirs = _engine(decoupled=True)
+    try:
+        figures["deepspeed decoupled (python writer)"] = measure(
+            theirs, root / "deepspeed", rounds, lambda: None
+        )
+    finally:
+        theirs.destroy()
+    ours = _engine(decoupled=False)
+    ckpt = install(ours, directory=root / "aoffload")
+    try:
+        figures["aoffload AsyncCheckpointEngine"] = measure(
+            ours, root / "aoffload", rounds, ckpt.wait
+        )
+    finally:
+        ckpt.cleanup()
+        ours.destroy()
+    return figures
+
+
+def report(figures: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'engine':38} {'save_checkpoint':>16} {'commit step':>12} {'plain step':>11}"]
+    for name, row in figures.items():
+        lines.append(
+            f"{name:38} {row['save_checkpoint'] * 1e3:13.1f} ms {row['commit step'] * 1e3:9.1f} ms"
+            f" {row['plain step'] * 1e3:8.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def test_stall_against_deepspeeds_decoupled_engine(tmp_path: Path) -> None:
+    figures = compare(tmp_path, rounds=2)
+    print("\n" + report(figures))
+    for sub in ("deepspeed", "aoffload"):
+        latest = read_latest(tmp_path / sub)
+        assert latest == "step1"
+        state = torch.load(
+            tmp_path / sub / latest / "mp_rank_00_model_states.pt", weights_only=False
+        )
+        assert state["module"]["2.weight"].shape == (WIDTH, WIDTH)
+
+
+def main() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        print(report(compare(Path(root), rounds=5)))
+
+
+if __name__ == "__main__":
+    main()
