@@ -150,7 +150,9 @@ def test_latest_only_ever_names_durable_checkpoints(ds_engine: Any, ckpt: Any) -
             latest = read_latest(directory)
             if latest is not None:
                 # Whatever `latest` names is complete: aoffload verifies it against its manifest.
-                aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=latest)
+                aoffload.run(
+                    aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=latest)
+                )
                 seen.append(latest)
     ckpt.wait()
     assert read_latest(directory) == "s3"
@@ -165,7 +167,7 @@ def test_two_saves_without_a_step_both_commit(ds_engine: Any, ckpt: Any) -> None
     train_step(ds_engine)
     ckpt.wait()
     assert read_latest(directory) == "b"
-    assert aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag="a")
+    assert aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag="a"))
 
 
 def test_writer_killed_before_commit_keeps_latest_and_raises_at_the_next_step(
@@ -187,7 +189,7 @@ def test_writer_killed_before_commit_keeps_latest_and_raises_at_the_next_step(
         with pytest.raises(aoffload.WorkerDiedError):
             ckpt.wait()
         assert read_latest(directory) == "good"
-        aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt")
+        aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt"))
     finally:
         ckpt.cleanup()
         ckpt.cleanup()  # idempotent
