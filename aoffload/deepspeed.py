@@ -288,8 +288,9 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         finally:
             self._closed = True
             try:
-                if self._engine is not None:
-                    self._portal.call(self._engine.aclose())
+                engine, self._engine = self._engine, None
+                if engine is not None:
+                    self._portal.call(engine.aclose())
             finally:
                 self._shutdown_threads()
 
