@@ -409,7 +409,7 @@ class SuperOffloadCPUOptimizer:
         if self._closed:
             raise ClosedError("the SuperOffloadCPUOptimizer is closed")
         if self._optimizer.pid is None:
-            raise WorkerDiedError("cpu-adam", self._pid, self._optimizer.exitcode)
+            raise WorkerDiedError("cpu-adam", self._pid, None)
 
     async def _submit(
         self,
