@@ -224,7 +224,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         self._portal.call(self._engine.save(state_dict, name, tag=tag))
         self._open.files += 1
 
-    def load(self, path: str, map_location: object = None) -> Any:
+    def load(self, path: str, map_location: Any = None) -> Any:
         """Load ``path`` with ``torch.load`` after any commit still in flight is durable."""
         self._check_open()
         self.wait()
