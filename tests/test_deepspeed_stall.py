@@ -1,17 +1,22 @@
 """How long the trainer waits in ``save_checkpoint`` and at the next ``step()``.
 
 aoffload's AsyncCheckpointEngine against DeepSpeed's own decoupled engine (python writer), in
-the same process on the same model. Run as a script for the figures::
+one process on the same model. Run as a script for the figures::
 
-    python -m tests.test_deepspeed_stall
+    python -m tests.test_deepspeed_stall [ROUNDS]
 
-As a test it checks only that both engines end with ``latest`` naming a loadable checkpoint;
-speed is measured, never asserted.
+The test runs that script in a subprocess (DeepSpeed's decoupled engine sets the global
+multiprocessing start method, which must not leak into the test process), prints its table,
+and checks only that both engines end with ``latest`` naming a loadable checkpoint; speed is
+measured, never asserted.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -116,8 +121,19 @@ def report(figures: dict[str, dict[str, float]]) -> str:
 
 
 def test_stall_against_deepspeeds_decoupled_engine(tmp_path: Path) -> None:
-    figures = compare(tmp_path, rounds=2)
-    print("\n" + report(figures))
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.test_deepspeed_stall", "2", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    table = done.stdout[done.stdout.index("engine ") :]
+    print("\n" + table)
+    assert "aoffload AsyncCheckpointEngine" in table
     for sub in ("deepspeed", "aoffload"):
         latest = read_latest(tmp_path / sub)
         assert latest == "step1"
@@ -130,8 +146,12 @@ def test_stall_against_deepspeeds_decoupled_engine(tmp_path: Path) -> None:
 def main() -> None:
     import tempfile
 
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    if len(sys.argv) > 2:
+        print(report(compare(Path(sys.argv[2]), rounds=rounds)))
+        return
     with tempfile.TemporaryDirectory() as root:
-        print(report(compare(Path(root), rounds=5)))
+        print(report(compare(Path(root), rounds=rounds)))
 
 
 if __name__ == "__main__":
