@@ -3,7 +3,7 @@
 aoffload's AsyncCheckpointEngine against DeepSpeed's own decoupled engine (python writer), in
 one process on the same model. Run as a script for the figures::
 
-    python -m tests.test_deepspeed_stall [ROUNDS]
+    AOFFLOAD_STALL_WIDTH=4096 python -m tests.test_deepspeed_stall [ROUNDS]
 
 The test runs that script in a subprocess (DeepSpeed's decoupled engine sets the global
 multiprocessing start method, which must not leak into the test process), prints its table,
@@ -44,13 +44,13 @@ def _model_config(decoupled: bool) -> dict[str, Any]:
     return config
 
 
-def _engine(decoupled: bool) -> Any:
+def _engine(decoupled: bool, width: int) -> Any:
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
-        torch.nn.ReLU(), torch.nn.Linear(WIDTH, 1),
+        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 1),
     )  # fmt: skip
     single_process_env()
     engine, _, _, _ = deepspeed.initialize(
@@ -87,18 +87,18 @@ def measure(engine: Any, directory: Path, rounds: int, wait: Any) -> dict[str, f
     }
 
 
-def compare(root: Path, rounds: int = 3) -> dict[str, dict[str, float]]:
+def compare(root: Path, rounds: int = 3, width: int = WIDTH) -> dict[str, dict[str, float]]:
     from aoffload.deepspeed import install
 
     figures = {}
-    theirs = _engine(decoupled=True)
+    theirs = _engine(decoupled=True, width=width)
     try:
         figures["deepspeed decoupled (python writer)"] = measure(
             theirs, root / "deepspeed", rounds, lambda: None
         )
     finally:
         theirs.destroy()
-    ours = _engine(decoupled=False)
+    ours = _engine(decoupled=False, width=width)
     ckpt = install(ours, directory=root / "aoffload")
     try:
         figures["aoffload AsyncCheckpointEngine"] = measure(
@@ -147,11 +147,13 @@ def main() -> None:
     import tempfile
 
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    width = int(os.environ.get("AOFFLOAD_STALL_WIDTH", WIDTH))
     if len(sys.argv) > 2:
-        print(report(compare(Path(sys.argv[2]), rounds=rounds)))
+        print(report(compare(Path(sys.argv[2]), rounds=rounds, width=width)))
         return
     with tempfile.TemporaryDirectory() as root:
-        print(report(compare(Path(root), rounds=rounds)))
+        print(f"model width {width}: {(width * width + 10 * width) * 12 / 1e6:.0f} MB checkpoint")
+        print(report(compare(Path(root), rounds=rounds, width=width)))
 
 
 if __name__ == "__main__":
