@@ -101,53 +101,47 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         }
         self._writer = writer
         self._directory: str | None = None
-        self._engine: CheckpointEngine | None = None
+        self._engines: dict[str, CheckpointEngine] = {}
         self._open: _Open | None = None
         self._commits: list[concurrent.futures.Future[CommitResult]] = []
         self._closed = False
         self._portal = Portal("deepspeed-checkpoint")
-        if directory is not None:
+        if directory is not None and writer:
             try:
                 self._bind(os.fspath(directory))
             except BaseException:
-                self._shutdown_threads()
+                self._portal.close()
                 raise
 
     # -- helpers ---------------------------------------------------------------------------
 
     @property
     def directory(self) -> str | None:
-        """The ``save_dir`` this engine writes to, once bound."""
+        """The first ``save_dir`` this engine writes to (``directory``, if given)."""
         return self._directory
 
     @property
     def pid(self) -> int | None:
-        """The writer process id while it runs, else ``None``."""
-        return None if self._engine is None else self._engine.pid
-
-    @property
-    def engine(self) -> CheckpointEngine | None:
-        """The underlying :class:`aoffload.CheckpointEngine` (``None`` until bound)."""
-        return self._engine
+        """The process id of the writer for :attr:`directory` while it runs, else ``None``."""
+        engine = self._engines.get(self._directory) if self._directory is not None else None
+        return None if engine is None else engine.pid
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the AsyncCheckpointEngine was cleaned up")
 
     def _bind(self, directory: str) -> CheckpointEngine:
+        """The aoffload engine (one writer process) for ``directory``, started on first use."""
         directory = os.path.abspath(directory)
-        if self._engine is not None:
-            if directory != self._directory:
-                raise CheckpointError(
-                    f"this engine writes to {self._directory!r}; save_checkpoint() was given "
-                    f"{directory!r} (install one engine per save directory)"
-                )
-            return self._engine
-        os.makedirs(directory, exist_ok=True)
-        engine = CheckpointEngine(directory, **self._options)
-        self._portal.call(engine.__aenter__())
-        self._directory, self._engine = directory, engine
-        logger.debug("checkpoint writer started for %s (pid %s)", directory, engine.pid)
+        engine = self._engines.get(directory)
+        if engine is None:
+            os.makedirs(directory, exist_ok=True)
+            engine = CheckpointEngine(directory, **self._options)
+            self._portal.call(engine.__aenter__())
+            self._engines[directory] = engine
+            if self._directory is None:
+                self._directory = directory
+            logger.debug("checkpoint writer started for %s (pid %s)", directory, engine.pid)
         return engine
 
     def _raise_failed(self) -> None:
@@ -158,15 +152,14 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
                 future.result()
         self._commits = [future for future in self._commits if not future.done()]
 
-    def _split(self, path: str) -> tuple[str, str] | None:
-        """Map ``save_dir/<tag>/<name>`` onto (tag, name); ``None`` for other paths."""
-        if self._directory is None or self._open is None:
+    def _in_open_tag(self, path: str) -> str | None:
+        """``name`` when ``path`` is ``save_dir/<tag>/<name>`` of the open checkpoint."""
+        if self._open is None:
             return None
-        relative = os.path.relpath(os.path.abspath(path), self._directory)
+        info = self._open.info
+        relative = os.path.relpath(os.path.abspath(path), os.path.abspath(info.save_dir))
         tag, _, name = relative.partition(os.sep)
-        if tag != self._open.info.tag or not name or name.startswith(".."):
-            return None
-        return tag, name
+        return name if tag == info.tag else None
 
     @staticmethod
     async def _commit(engine: CheckpointEngine, tag: str) -> CommitResult:
@@ -177,51 +170,48 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         return result
 
     def _start_commit(self, opened: _Open) -> None:
-        engine = self._engine
-        if engine is None or opened.files == 0 or not self._writer:
+        if opened.files == 0:
             # Nothing of this tag went through aoffload (a replica, or only plain exports).
             return
+        engine = self._bind(opened.info.save_dir)
         self._commits.append(self._portal.submit(self._commit(engine, opened.info.tag)))
 
     # -- DeepSpeed's CheckpointEngine interface ---------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """Begin checkpoint ``info.tag`` in ``info.save_dir`` (starts the writer on first use)."""
+        """Begin checkpoint ``info.tag`` in ``info.save_dir``."""
         self._check_open()
         self._raise_failed()
         if self._open is not None and self._open.info != info:
             # save_checkpoint() twice without a step in between: commit the first one now.
-            self._start_commit(self._open)
-            self._open = None
-        if self._writer:
-            self._bind(info.save_dir)
+            opened, self._open = self._open, None
+            self._start_commit(opened)
         self._open = _Open(info)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """Create ``path``, except tag directories, which aoffload creates and publishes."""
-        if self._directory is not None:
-            relative = os.path.relpath(os.path.abspath(path), self._directory)
-            if relative != "." and not relative.startswith(".."):
-                return
+        """Create ``path``, except the open tag's directory, which aoffload publishes."""
+        if self._in_open_tag(os.path.join(path, "")) is not None:
+            return
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: object, path: str) -> None:
         """Snapshot ``state_dict`` for ``path``; returns before anything is written to disk.
 
-        Paths outside ``save_dir/<tag>/`` (``save_16bit_model`` exports) are written at once
-        with ``torch.save``, as DeepSpeed's default engine does.
+        The writer for ``save_dir`` starts on the first save there. Paths outside
+        ``save_dir/<tag>/`` (``save_16bit_model`` exports) are written at once with
+        ``torch.save``, as DeepSpeed's default engine does.
         """
         self._check_open()
         self._raise_failed()
         if not self._writer:
             return
-        where = self._split(path)
-        if where is None or self._engine is None or self._open is None:
+        name = self._in_open_tag(path)
+        if self._open is None or not name:
             logger.debug("%s is outside any open tag; writing it synchronously", path)
             torch.save(state_dict, path)
             return
-        tag, name = where
-        self._portal.call(self._engine.save(state_dict, name, tag=tag))
+        engine = self._bind(self._open.info.save_dir)
+        self._portal.call(engine.save(state_dict, name, tag=self._open.info.tag))
         self._open.files += 1
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -288,14 +278,21 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         finally:
             self._closed = True
             try:
-                engine, self._engine = self._engine, None
-                if engine is not None:
-                    self._portal.call(engine.aclose())
+                self._close_engines()
             finally:
-                self._shutdown_threads()
+                self._portal.close()
 
-    def _shutdown_threads(self) -> None:
-        self._portal.close()
+    def _close_engines(self) -> None:
+        engines, self._engines = list(self._engines.values()), {}
+        failures: list[AoffloadError] = []
+        for engine in engines:
+            try:
+                self._portal.call(engine.aclose())
+            except AoffloadError as exc:  # close the others, then raise the first
+                logger.error("closing the checkpoint writer for %s failed", engine.directory)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 def install(
