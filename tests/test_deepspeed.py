@@ -220,3 +220,30 @@ def test_replica_writes_nothing(ds_engine: Any, tmp_path: Path) -> None:
         assert not (directory / "r").exists()
     finally:
         ckpt.cleanup()
+
+
+def test_save_16bit_model_is_a_plain_synchronous_export(ds_engine: Any, ckpt: Any) -> None:
+    export = Path(ckpt.directory).parent / "export"
+    train_step(ds_engine)
+    assert ds_engine.save_16bit_model(str(export), "model.bin")
+    state = torch.load(export / "model.bin", weights_only=True)
+    for key, value in weights(ds_engine).items():
+        assert torch.equal(state[key], value), key
+    train_step(ds_engine)  # DeepSpeed's commit of the export finds nothing to publish
+    ckpt.wait()
+    assert read_latest(export) is None
+    assert read_latest(Path(ckpt.directory)) is None
+
+
+def test_every_public_name_is_documented() -> None:
+    import inspect
+
+    import aoffload.deepspeed
+
+    for name in aoffload.deepspeed.__all__:
+        obj = getattr(aoffload.deepspeed, name)
+        assert inspect.getdoc(obj), name
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
+                    assert inspect.getdoc(member), f"{name}.{attr}"
