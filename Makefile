@@ -23,8 +23,8 @@ demo: setup
 	$(BIN)/python examples/train_with_checkpoints.py
 
 lint: setup
-	$(BIN)/ruff check aoffload tests examples
-	$(BIN)/ruff format --check aoffload tests examples
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
 
 typecheck: setup
 	$(BIN)/mypy

@@ -17,13 +17,18 @@ from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
 from ._runner import run as run
+from .checkpoint import CheckpointEngine as CheckpointEngine
+from .checkpoint import CommitResult as CommitResult
+from .checkpoint import load_checkpoint as load_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AoffloadError",
+    "CheckpointEngine",
     "CheckpointError",
     "ClosedError",
+    "CommitResult",
     "CorruptCheckpointError",
     "InvalidStateError",
     "OptimizerError",
@@ -31,5 +36,6 @@ __all__ = (
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",
+    "load_checkpoint",
     "run",
 )

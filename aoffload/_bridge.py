@@ -320,6 +320,10 @@ class Bridge:
     def _finish(self) -> None:
         self._state = WorkerState.CLOSED
         self._fail_pending(ClosedError(f"the {self.name} worker was closed before it replied"))
+        if self._process is not None and self._exited is not None and self._exited.done():
+            # Closes the two pipe fds multiprocessing keeps per process until GC.
+            with contextlib.suppress(ValueError):
+                self._process.close()
         for conn in (self._requests, self._replies):
             if conn is not None:
                 conn.close()

@@ -1,0 +1,274 @@
+"""The checkpoint writer: a worker service that turns staged tensors into durable files.
+
+It maps each staging segment once (:class:`MapSegment`); per file it receives only a
+:class:`WriteFile`: the file name, the pickled non-tensor skeleton of the state and
+one :class:`TensorRecord` per tensor. It rebuilds the tensors as views on the shared
+memory and calls :func:`torch.save` on them (so the file is a plain ``torch.save``
+file), with torch's per-record CRC32 turned off (the manifest's xxh3-64 of the whole
+file, computed while writing, replaces it) into a sink that writes large blocks,
+with ``O_DIRECT`` where the filesystem supports it, then fsyncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import logging
+import mmap
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = [
+    "MANIFEST",
+    "FileRecord",
+    "MapSegment",
+    "SyncTree",
+    "TensorRecord",
+    "WriteFile",
+    "WriterConfig",
+    "WriterOp",
+    "create",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = ".aoffload-manifest.json"
+"""The manifest's file name inside a tag directory; written last."""
+
+_BOUNCE_BYTES = 16 << 20
+_DIRECT_ALIGN = 4096
+
+
+class WriterOp(enum.Enum):
+    """Operations of the writer service."""
+
+    MAP = "map"  # MapSegment -> None
+    WRITE = "write"  # WriteFile -> FileRecord
+    SYNC = "sync"  # SyncTree -> None: fsync every directory of a tag's temporary tree
+
+
+@dataclass(frozen=True, slots=True)
+class WriterConfig:
+    """How the writer works: ``durable`` fsyncs; ``direct_io`` tries ``O_DIRECT`` first."""
+
+    durable: bool = True
+    direct_io: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MapSegment:
+    """Map the staging segment at ``path`` (``size`` bytes); later writes name it by path."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """One contiguous tensor in a staging segment."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFile:
+    """Write ``path`` from the ``skeleton`` (pickle with persistent ids) and ``tensors``."""
+
+    path: str
+    segment: str
+    skeleton: bytes
+    tensors: tuple[TensorRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A written (and, if durable, fsynced) file: its size, xxh3-64 and write time."""
+
+    path: str
+    nbytes: int
+    xxh3_64: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SyncTree:
+    """Fsync ``root`` and every directory below it."""
+
+    root: str
+
+
+class _Sink(io.RawIOBase):
+    """A write-only stream that hashes everything and writes large blocks to ``fd``.
+
+    With ``bounce`` (an aligned buffer) the file is open with ``O_DIRECT``: data is
+    gathered into whole aligned blocks; the padding of the last block is cut off by
+    :meth:`finish` with ``ftruncate``.
+    """
+
+    def __init__(self, fd: int, bounce: memoryview | None) -> None:
+        super().__init__()
+        self._fd = fd
+        self._bounce = bounce
+        self._fill = 0
+        self.nbytes = 0
+        self.hash = xxhash.xxh3_64()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        self.nbytes += len(view)
+        if self._bounce is None:
+            self._write_all(view)
+            return len(view)
+        bounce, done = self._bounce, 0
+        while done < len(view):
+            take = min(len(bounce) - self._fill, len(view) - done)
+            bounce[self._fill : self._fill + take] = view[done : done + take]
+            self._fill += take
+            done += take
+            if self._fill == len(bounce):
+                self._write_all(bounce)
+                self._fill = 0
+        return len(view)
+
+    def _write_all(self, view: memoryview) -> None:
+        written = 0
+        while written < len(view):
+            written += os.write(self._fd, view[written:])
+
+    def finish(self) -> None:
+        if self._bounce is not None and self._fill:
+            padded = (self._fill + _DIRECT_ALIGN - 1) // _DIRECT_ALIGN * _DIRECT_ALIGN
+            self._bounce[self._fill : padded] = bytes(padded - self._fill)
+            self._write_all(self._bounce[:padded])
+            self._fill = 0
+            os.ftruncate(self._fd, self.nbytes)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[int(pid)]
+
+
+class WriterService:
+    """Serves :class:`WriterOp` requests, one at a time, in order."""
+
+    def __init__(self, config: WriterConfig) -> None:
+        self._config = config
+        self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
+        self._bounce: mmap.mmap | None = None
+        torch.serialization.set_crc32_options(False)
+
+    def handle(self, op: enum.Enum, payload: object) -> object:
+        """Run one operation."""
+        if op is WriterOp.MAP and isinstance(payload, MapSegment):
+            self._map(payload)
+            return None
+        if op is WriterOp.WRITE and isinstance(payload, WriteFile):
+            return self._write(payload)
+        if op is WriterOp.SYNC and isinstance(payload, SyncTree):
+            self._sync(payload)
+            return None
+        raise ValueError(f"the writer has no operation {op!r} for {type(payload).__name__}")
+
+    def _map(self, message: MapSegment) -> None:
+        fd = os.open(message.path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, message.size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._segments[message.path] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+
+    def _tensor(self, array: np.ndarray[Any, Any], record: TensorRecord) -> torch.Tensor:
+        if record.nbytes == 0:
+            return torch.empty(record.shape, dtype=record.dtype)
+        flat = torch.from_numpy(array[record.offset : record.offset + record.nbytes])
+        tensor = flat.view(record.dtype).view(record.shape)
+        return tensor.requires_grad_() if record.requires_grad else tensor
+
+    def _write(self, message: WriteFile) -> FileRecord:
+        started = time.perf_counter()
+        _, array = self._segments[message.segment]
+        tensors = [self._tensor(array, record) for record in message.tensors]
+        state = _Unpickler(message.skeleton, tensors).load()
+        os.makedirs(os.path.dirname(message.path), exist_ok=True)
+        fd, bounce = self._open(message.path)
+        try:
+            sink = _Sink(fd, bounce)
+            torch.save(state, sink)  # type: ignore[arg-type]  # a binary stream
+            sink.finish()
+            if self._config.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(message.path)
+            raise
+        os.close(fd)
+        digest = sink.hash.hexdigest()
+        return FileRecord(message.path, sink.nbytes, digest, time.perf_counter() - started)
+
+    def _open(self, path: str) -> tuple[int, memoryview | None]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        direct = getattr(os, "O_DIRECT", 0)
+        if self._config.direct_io and direct:
+            try:
+                fd = os.open(path, flags | direct, 0o644)
+            except OSError:
+                logger.debug(
+                    "O_DIRECT is not supported for %s; writing through the page cache", path
+                )
+            else:
+                if self._bounce is None:
+                    self._bounce = mmap.mmap(-1, _BOUNCE_BYTES)
+                return fd, memoryview(self._bounce)
+        return os.open(path, flags, 0o644), None
+
+    def _sync(self, message: SyncTree) -> None:
+        if not self._config.durable:
+            return
+        for directory, _, _ in os.walk(message.root):
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Unmap every staging segment."""
+        while self._segments:
+            _, (mapping, array) = self._segments.popitem()
+            del array
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        if self._bounce is not None:
+            self._bounce.close()
+
+
+def create(config: object) -> WriterService:
+    """Worker-side factory named by ``"aoffload._writer:create"``."""
+    if not isinstance(config, WriterConfig):
+        raise TypeError(f"the writer needs a WriterConfig, not {type(config).__name__}")
+    return WriterService(config)
+
+
+TARGET = f"{__name__}:create"
