@@ -11,6 +11,7 @@ with ``O_DIRECT`` where the filesystem supports it, then fsyncs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import enum
 import io
@@ -25,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+
+from ._bridge import DaemonThreadExecutor
 
 __all__ = [
     "MANIFEST",
@@ -112,16 +115,25 @@ class SyncTree:
 class _Sink(io.RawIOBase):
     """A write-only stream that hashes everything and writes large blocks to ``fd``.
 
-    With ``bounce`` (an aligned buffer) the file is open with ``O_DIRECT``: data is
-    gathered into whole aligned blocks; the padding of the last block is cut off by
-    :meth:`finish` with ``ftruncate``.
+    With ``buffers`` (two aligned buffers) the file is open with ``O_DIRECT``: data is
+    gathered into whole aligned blocks, and while one buffer is being written to disk on
+    ``io_thread`` the other is being filled, so copying and hashing overlap the disk.
+    The padding of the last block is cut off by :meth:`finish` with ``ftruncate``.
     """
 
-    def __init__(self, fd: int, bounce: memoryview | None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        buffers: tuple[memoryview, memoryview] | None,
+        io_thread: concurrent.futures.Executor,
+    ) -> None:
         super().__init__()
         self._fd = fd
-        self._bounce = bounce
+        self._buffers = buffers
+        self._io_thread = io_thread
+        self._current = 0
         self._fill = 0
+        self._in_flight: concurrent.futures.Future[None] | None = None
         self.nbytes = 0
         self.hash = xxhash.xxh3_64()
 
@@ -132,19 +144,31 @@ class _Sink(io.RawIOBase):
         view = memoryview(data).cast("B")
         self.hash.update(view)
         self.nbytes += len(view)
-        if self._bounce is None:
+        if self._buffers is None:
             self._write_all(view)
             return len(view)
-        bounce, done = self._bounce, 0
+        done = 0
         while done < len(view):
+            bounce = self._buffers[self._current]
             take = min(len(bounce) - self._fill, len(view) - done)
             bounce[self._fill : self._fill + take] = view[done : done + take]
             self._fill += take
             done += take
             if self._fill == len(bounce):
-                self._write_all(bounce)
-                self._fill = 0
+                self._submit(bounce)
         return len(view)
+
+    def _submit(self, block: memoryview) -> None:
+        self.wait()  # the other buffer's write must be done before it is refilled
+        self._in_flight = self._io_thread.submit(self._write_all, block)
+        self._current ^= 1
+        self._fill = 0
+
+    def wait(self) -> None:
+        """Wait for the block being written, raising its error (ENOSPC, EIO) if any."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
 
     def _write_all(self, view: memoryview) -> None:
         written = 0
@@ -152,11 +176,14 @@ class _Sink(io.RawIOBase):
             written += os.write(self._fd, view[written:])
 
     def finish(self) -> None:
-        if self._bounce is not None and self._fill:
+        """Write the last, padded block and wait until every block is written."""
+        if self._buffers is not None and self._fill:
+            bounce = self._buffers[self._current]
             padded = (self._fill + _DIRECT_ALIGN - 1) // _DIRECT_ALIGN * _DIRECT_ALIGN
-            self._bounce[self._fill : padded] = bytes(padded - self._fill)
-            self._write_all(self._bounce[:padded])
-            self._fill = 0
+            bounce[self._fill : padded] = bytes(padded - self._fill)
+            self._submit(bounce[:padded])
+        self.wait()
+        if self._buffers is not None:
             os.ftruncate(self._fd, self.nbytes)
 
 
@@ -176,6 +203,7 @@ class WriterService:
         self._config = config
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
+        self._io_thread = DaemonThreadExecutor("aoffload-writer-io")
         torch.serialization.set_crc32_options(False)
 
     def handle(self, op: enum.Enum, payload: object) -> object:
@@ -212,13 +240,15 @@ class WriterService:
         state = _Unpickler(message.skeleton, tensors).load()
         os.makedirs(os.path.dirname(message.path), exist_ok=True)
         fd, bounce = self._open(message.path)
+        sink = _Sink(fd, bounce, self._io_thread)
         try:
-            sink = _Sink(fd, bounce)
             torch.save(state, sink)  # type: ignore[arg-type]  # a binary stream
             sink.finish()
             if self._config.durable:
                 os.fsync(fd)
         except BaseException:
+            with contextlib.suppress(OSError):
+                sink.wait()  # never close the fd under a write in flight
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(message.path)
@@ -227,7 +257,7 @@ class WriterService:
         digest = sink.hash.hexdigest()
         return FileRecord(message.path, sink.nbytes, digest, time.perf_counter() - started)
 
-    def _open(self, path: str) -> tuple[int, memoryview | None]:
+    def _open(self, path: str) -> tuple[int, tuple[memoryview, memoryview] | None]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         direct = getattr(os, "O_DIRECT", 0)
         if self._config.direct_io and direct:
@@ -239,8 +269,9 @@ class WriterService:
                 )
             else:
                 if self._bounce is None:
-                    self._bounce = mmap.mmap(-1, _BOUNCE_BYTES)
-                return fd, memoryview(self._bounce)
+                    self._bounce = mmap.mmap(-1, 2 * _BOUNCE_BYTES)
+                both = memoryview(self._bounce)
+                return fd, (both[:_BOUNCE_BYTES], both[_BOUNCE_BYTES:])
         return os.open(path, flags, 0o644), None
 
     def _sync(self, message: SyncTree) -> None:
@@ -260,8 +291,10 @@ class WriterService:
             del array
             with contextlib.suppress(BufferError):
                 mapping.close()
+        self._io_thread.shutdown(wait=True)
         if self._bounce is not None:
-            self._bounce.close()
+            with contextlib.suppress(BufferError):
+                self._bounce.close()
 
 
 def create(config: object) -> WriterService:

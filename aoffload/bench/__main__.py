@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="fewer repetitions and a smaller state: under a minute"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where the checkpoint state lives: cpu (default) or cuda"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument(
         "--dir",
@@ -51,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "checkpoint":
             from . import _checkpoint
 
-            _checkpoint.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
+            _checkpoint.run(
+                report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
+            )
         else:
             from . import _optimizer
 
@@ -69,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": elapsed,
             "machine": machine(),
-            "options": {"sections": list(sections), "quick": args.quick, "size_gib": size_gib},
+            "options": {
+                "sections": list(sections),
+                "quick": args.quick,
+                "size_gib": size_gib,
+                "device": args.device,
+            },
             "figures": [f.as_json() for f in report.figures],
             "ratios": [vars(r) for r in report.ratios],
             "skipped": [vars(s) for s in report.skipped],
