@@ -423,6 +423,10 @@ class SuperOffloadCPUOptimizer:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._pump_results())
 
+    async def _settle(self) -> None:
+        if self._pump is not None:
+            await asyncio.wait({self._pump})
+
     async def _pump_results(self) -> None:
         # results() ends when nothing is outstanding; the next _submit starts a new pump.
         while True:
@@ -466,8 +470,15 @@ class SuperOffloadCPUOptimizer:
         try:
             item = self._results.get_nowait()
         except queue.Empty:
-            self._check_alive()
-            return None
+            if self._closed or self._optimizer.pid is not None:
+                self._check_alive()
+                return None
+            # Dead: first let through the results that finished before the death.
+            self._portal.call(self._settle())
+            try:
+                item = self._results.get_nowait()
+            except queue.Empty:
+                raise WorkerDiedError("cpu-adam", self._pid, None) from None
         if isinstance(item, BaseException):
             raise item
         if expected_event_type is not None and item[ResultKeys.EVENT_TYPE] != expected_event_type:
