@@ -69,8 +69,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
     the trainer keeps stepping while the files are written and fsynced. aoffload publishes the
     tag and moves ``save_dir/latest`` (the plain-text file DeepSpeed reads) only once the
     checkpoint is durable; ``get_commit_info()`` hands DeepSpeed ``save_latest=False`` so
-    DeepSpeed never writes ``latest`` early. A failed background commit is raised from the next call
-    (``save_checkpoint``, ``step``, :meth:`wait`, ``cleanup``).
+    DeepSpeed never writes ``latest`` early. A failed background commit is raised from the next
+    call (``save_checkpoint``, ``step``, :meth:`wait`, ``cleanup``).
 
     ``directory`` is DeepSpeed's ``save_dir``; DeepSpeed's ``save_dir/<tag>/<file>`` paths map
     onto aoffload's ``directory``, ``tag`` and ``name``. Without ``directory`` the engine binds to
@@ -263,8 +263,12 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         """Block until every started commit is durable and published; raise the first failure."""
         self._check_open()
         while self._commits:
-            future = self._commits.pop(0)
-            future.result()
+            future = self._commits[0]
+            try:
+                future.result()
+            finally:
+                if future.done():
+                    self._commits.remove(future)
 
     def cleanup(self) -> None:
         """Commit the open checkpoint, wait until durable, and stop the writer; idempotent."""
