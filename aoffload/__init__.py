@@ -20,12 +20,16 @@ from ._runner import run as run
 from .checkpoint import CheckpointEngine as CheckpointEngine
 from .checkpoint import CommitResult as CommitResult
 from .checkpoint import load_checkpoint as load_checkpoint
+from .optimizer import CPUAdam as CPUAdam
+from .optimizer import StepKind as StepKind
+from .optimizer import StepResult as StepResult
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AoffloadError",
     "CheckpointEngine",
+    "CPUAdam",
     "CheckpointError",
     "ClosedError",
     "CommitResult",
@@ -33,6 +37,8 @@ __all__ = (
     "InvalidStateError",
     "OptimizerError",
     "RemoteError",
+    "StepKind",
+    "StepResult",
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",

@@ -1,0 +1,423 @@
+"""The CPU optimizer's worker: wire messages, the service, and its two backends.
+
+The trainer registers each sub-group once (:class:`Register` carries the param and
+grad tensors, whose storage is already in shared memory, so the worker maps the very
+same bytes); every later :class:`Step` carries only ids, the learning rate and a flag.
+The update is written into the shared param in place.
+
+Backends:
+
+* ``deepspeed``: DeepSpeed's ``DeepSpeedCPUAdam`` built exactly like DeepSpeed's own
+  SuperOffload worker builds it, driven through ``step_subgroup`` / ``rollback_subgroup``,
+  so its numbers are bit-identical to DeepSpeed's;
+* ``torch``: the same math (AdamW with DeepSpeed's bias correction and weight-decay
+  convention) and the same algebraic rollback in PyTorch ops, except that second
+  moments driven below zero by the rollback's rounding are clamped at zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdamConfig", "AdamOp", "Done", "GroupConfig", "Info", "Register", "Step"]
+
+
+class AdamOp(enum.Enum):
+    """Operations of the optimizer worker."""
+
+    INFO = "info"  # -> Info
+    REGISTER = "register"  # Register -> None
+    STEP = "step"  # Step -> Done
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """Hyper-parameters of one parameter group."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AdamConfig:
+    """How the worker starts: its backend, groups, cores and thread count."""
+
+    groups: tuple[GroupConfig, ...]
+    backend: str  # "auto" | "deepspeed" | "torch"
+    exact_rollback: bool
+    cores: tuple[int, ...] | None  # CPU affinity of the worker; None leaves it as inherited
+    threads: int | None  # torch (and OpenMP) threads of the worker; None leaves the default
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    """Reply to :attr:`AdamOp.INFO`."""
+
+    backend: str
+    threads: int
+    cores: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Trainer -> worker, once per sub-group: the shared param and grad tensors."""
+
+    group_id: int
+    subgroup_id: int
+    param: torch.Tensor
+    grad: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Trainer -> worker, per step: ids and scalars only, never tensors."""
+
+    group_id: int
+    subgroup_id: int
+    lr: float | None
+    rollback: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Reply to a :class:`Step`: the sub-group's step count after it, and the compute time."""
+
+    step: int
+    seconds: float
+
+
+# torch's fused AdamW kernel (what `torch.optim.AdamW(fused=True)` runs on the CPU), if present.
+_FUSED_ADAMW: Any = getattr(torch, "_fused_adamw_", None)
+
+
+class _NoStepError(RuntimeError):
+    """A rollback of a sub-group that has no step to undo."""
+
+
+class _Moments:
+    """Optimizer state of one sub-group in the torch backend."""
+
+    __slots__ = ("exp_avg", "exp_avg_sq", "grad", "param", "step")
+
+    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self.param = param
+        self.grad = grad
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.step = 0
+
+
+class _Backup:
+    """Pre-step copy of one sub-group (exact rollback)."""
+
+    __slots__ = ("exp_avg", "exp_avg_sq", "param", "step", "valid")
+
+    def __init__(self, numel: int) -> None:
+        self.param = torch.empty(numel, dtype=torch.float32)
+        self.exp_avg = torch.empty(numel, dtype=torch.float32)
+        self.exp_avg_sq = torch.empty(numel, dtype=torch.float32)
+        self.step = 0
+        self.valid = False
+
+
+class TorchBackend:
+    """AdamW in PyTorch ops with DeepSpeed's conventions and its algebraic rollback."""
+
+    name = "torch"
+
+    def __init__(self, groups: tuple[GroupConfig, ...]) -> None:
+        self._lr = [group.lr for group in groups]
+        self._groups = groups
+        self._subgroups: dict[tuple[int, int], _Moments] = {}
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._step_count = torch.zeros((), dtype=torch.float32)
+
+    def register(
+        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        self._subgroups[group_id, subgroup_id] = _Moments(param.view(-1), grad.view(-1))
+        if self._scratch.numel() < param.numel():
+            self._scratch = torch.empty(param.numel(), dtype=torch.float32)
+
+    def set_lr(self, group_id: int, lr: float) -> None:
+        self._lr[group_id] = lr
+
+    def state(self, group_id: int, subgroup_id: int) -> _Moments:
+        return self._subgroups[group_id, subgroup_id]
+
+    @torch.no_grad()
+    def step(self, group_id: int, subgroup_id: int) -> int:
+        state = self._subgroups[group_id, subgroup_id]
+        group, lr = self._groups[group_id], self._lr[group_id]
+        if state.exp_avg is None or state.exp_avg_sq is None:
+            state.exp_avg = torch.zeros_like(state.param)
+            state.exp_avg_sq = torch.zeros_like(state.param)
+        state.step += 1
+        param, grad, exp_avg, exp_avg_sq = state.param, state.grad, state.exp_avg, state.exp_avg_sq
+        beta1, beta2 = group.beta1, group.beta2
+        if _FUSED_ADAMW is not None and group.bias_correction:
+            # One pass over memory instead of six: torch's fused AdamW kernel, same formula.
+            self._step_count.fill_(state.step)
+            _FUSED_ADAMW(
+                [param], [grad], [exp_avg], [exp_avg_sq], [], [self._step_count],
+                lr=lr, beta1=beta1, beta2=beta2, weight_decay=group.weight_decay,
+                eps=group.eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            return state.step
+        bias1, bias2 = 1.0, 1.0
+        if group.bias_correction:
+            bias1 = 1.0 - beta1**state.step
+            bias2 = 1.0 / math.sqrt(1.0 - beta2**state.step)
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = self._scratch[: param.numel()]
+        torch.sqrt(exp_avg_sq, out=denom)
+        denom.mul_(bias2).add_(group.eps)
+        if group.weight_decay > 0:
+            param.mul_(1.0 - lr * group.weight_decay)
+        param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        return state.step
+
+    @torch.no_grad()
+    def rollback(self, group_id: int, subgroup_id: int) -> int:
+        state = self._subgroups[group_id, subgroup_id]
+        if state.step <= 0 or state.exp_avg is None or state.exp_avg_sq is None:
+            raise _NoStepError(
+                f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
+            )
+        group, lr = self._groups[group_id], self._lr[group_id]
+        param, grad, exp_avg, exp_avg_sq = state.param, state.grad, state.exp_avg, state.exp_avg_sq
+        beta1, beta2 = group.beta1, group.beta2
+        # As DeepSpeed's adam_rollback: bias correction always applies, whatever the group says.
+        bias1 = 1.0 - beta1**state.step
+        bias2 = 1.0 - beta2**state.step
+        denom = self._scratch[: param.numel()]
+        torch.div(exp_avg_sq, bias2, out=denom)
+        denom.sqrt_().add_(group.eps)
+        param.addcdiv_(exp_avg, denom, value=lr / bias1)
+        param.div_(1.0 - lr * group.weight_decay)
+        param.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        exp_avg.sub_(grad, alpha=1.0 - beta1).div_(beta1)
+        exp_avg_sq.addcmul_(grad, grad, value=-(1.0 - beta2)).div_(beta2)
+        # Rounding can leave a few second moments slightly negative; a later sqrt would
+        # turn them into NaN. DeepSpeed keeps them; this backend clamps them at zero.
+        exp_avg_sq.clamp_(min=0.0)
+        state.step -= 1
+        return state.step
+
+    def snapshot(self, group_id: int, subgroup_id: int, backup: _Backup) -> None:
+        state = self._subgroups[group_id, subgroup_id]
+        backup.param.copy_(state.param)
+        backup.step = state.step
+        if state.exp_avg is not None and state.exp_avg_sq is not None:
+            backup.exp_avg.copy_(state.exp_avg)
+            backup.exp_avg_sq.copy_(state.exp_avg_sq)
+
+    def restore(self, group_id: int, subgroup_id: int, backup: _Backup) -> int:
+        state = self._subgroups[group_id, subgroup_id]
+        state.param.copy_(backup.param)
+        state.step = backup.step
+        if backup.step == 0:
+            state.exp_avg = state.exp_avg_sq = None
+        elif state.exp_avg is not None and state.exp_avg_sq is not None:
+            state.exp_avg.copy_(backup.exp_avg)
+            state.exp_avg_sq.copy_(backup.exp_avg_sq)
+        return state.step
+
+
+class DeepSpeedBackend:
+    """DeepSpeed's ``DeepSpeedCPUAdam``, built and driven as DeepSpeed's own worker does."""
+
+    name = "deepspeed"
+
+    def __init__(self, groups: tuple[GroupConfig, ...]) -> None:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        first = groups[0]
+        placeholder = torch.nn.Parameter(torch.zeros(1))
+        self._optimizer: Any = DeepSpeedCPUAdam(
+            [placeholder],
+            lr=first.lr,
+            betas=(first.beta1, first.beta2),
+            eps=first.eps,
+            weight_decay=first.weight_decay,
+            bias_correction=first.bias_correction,
+            amsgrad=False,
+        )
+        for group in groups[1:]:
+            self._optimizer.add_param_group(
+                {
+                    "params": [torch.nn.Parameter(torch.zeros(1))],
+                    "lr": group.lr,
+                    "betas": (group.beta1, group.beta2),
+                    "eps": group.eps,
+                    "weight_decay": group.weight_decay,
+                    "bias_correction": group.bias_correction,
+                    "amsgrad": False,
+                }
+            )
+        for param_group in self._optimizer.param_groups:
+            param_group["params"] = []
+        self._params: dict[tuple[int, int], torch.nn.Parameter] = {}
+
+    def register(
+        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        holder = torch.nn.Parameter(param, requires_grad=False)
+        holder.grad = grad
+        self._params[group_id, subgroup_id] = holder
+
+    def set_lr(self, group_id: int, lr: float) -> None:
+        self._optimizer.param_groups[group_id]["lr"] = lr
+
+    def _state(self, group_id: int, subgroup_id: int) -> dict[str, Any]:
+        state: dict[str, Any] = self._optimizer.state[group_id, subgroup_id]
+        return state
+
+    def _run(self, group_id: int, subgroup_id: int, rollback: bool) -> int:
+        # DeepSpeed steps every param of every group that has a grad: present only this one.
+        param_group = self._optimizer.param_groups[group_id]
+        param_group["params"] = [self._params[group_id, subgroup_id]]
+        try:
+            if rollback:
+                self._optimizer.rollback_subgroup((group_id, subgroup_id))
+            else:
+                self._optimizer.step_subgroup((group_id, subgroup_id))
+        finally:
+            param_group["params"] = []
+        return int(self._state(group_id, subgroup_id)["step"])
+
+    def step(self, group_id: int, subgroup_id: int) -> int:
+        return self._run(group_id, subgroup_id, rollback=False)
+
+    def rollback(self, group_id: int, subgroup_id: int) -> int:
+        state = self._optimizer.state.get((group_id, subgroup_id))
+        if not state or state.get("step", 0) <= 0:
+            raise _NoStepError(
+                f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
+            )
+        return self._run(group_id, subgroup_id, rollback=True)
+
+    def snapshot(self, group_id: int, subgroup_id: int, backup: _Backup) -> None:
+        backup.param.copy_(self._params[group_id, subgroup_id].data.view(-1))
+        state = self._optimizer.state.get((group_id, subgroup_id))
+        backup.step = int(state["step"]) if state else 0
+        if state:
+            backup.exp_avg.copy_(state["exp_avg"].view(-1))
+            backup.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
+
+    def restore(self, group_id: int, subgroup_id: int, backup: _Backup) -> int:
+        self._params[group_id, subgroup_id].data.view(-1).copy_(backup.param)
+        if backup.step == 0:
+            self._optimizer.state.pop((group_id, subgroup_id), None)
+            return 0
+        state = self._state(group_id, subgroup_id)
+        state["exp_avg"].view(-1).copy_(backup.exp_avg)
+        state["exp_avg_sq"].view(-1).copy_(backup.exp_avg_sq)
+        state["step"] = backup.step
+        return backup.step
+
+
+class AdamService:
+    """Serves :class:`AdamOp` requests with one backend."""
+
+    def __init__(self, config: AdamConfig) -> None:
+        if config.cores is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, config.cores)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self._cores = config.cores
+        self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
+        self._exact = config.exact_rollback
+        self._backups: dict[tuple[int, int], _Backup] = {}
+        self._registered: set[tuple[int, int]] = set()
+        logger.info(
+            "CPUAdam worker: %s backend, %d threads, cores %s",
+            self._backend.name,
+            torch.get_num_threads(),
+            "inherited" if config.cores is None else list(config.cores),
+        )
+
+    @staticmethod
+    def _make_backend(config: AdamConfig) -> TorchBackend | DeepSpeedBackend:
+        if config.backend == "torch":
+            return TorchBackend(config.groups)
+        if config.backend == "deepspeed":
+            return DeepSpeedBackend(config.groups)
+        try:
+            return DeepSpeedBackend(config.groups)
+        except Exception as exc:  # noqa: BLE001 - "auto" falls back, and says why
+            logger.info("DeepSpeed's CPU Adam is unavailable (%s); using the torch backend", exc)
+            return TorchBackend(config.groups)
+
+    def handle(self, op: enum.Enum, payload: object) -> object:
+        """Run one :class:`AdamOp`."""
+        if op is AdamOp.STEP and isinstance(payload, Step):
+            return self._step(payload)
+        if op is AdamOp.REGISTER and isinstance(payload, Register):
+            key = (payload.group_id, payload.subgroup_id)
+            self._backend.register(*key, payload.param, payload.grad)
+            self._registered.add(key)
+            if self._exact:
+                self._backups[key] = _Backup(payload.param.numel())
+            return None
+        if op is AdamOp.INFO:
+            return Info(self._backend.name, torch.get_num_threads(), self._cores)
+        raise ValueError(f"the optimizer worker has no operation {op!r} for {type(payload)!r}")
+
+    def _step(self, request: Step) -> Done:
+        key = (request.group_id, request.subgroup_id)
+        if key not in self._registered:
+            raise KeyError(
+                f"sub-group {request.subgroup_id} of group {request.group_id} is not registered"
+            )
+        started = time.perf_counter()
+        if request.lr is not None:
+            self._backend.set_lr(request.group_id, request.lr)
+        backup = self._backups.get(key)
+        if not request.rollback:
+            if backup is not None:
+                self._backend.snapshot(*key, backup)
+                backup.valid = True
+            step = self._backend.step(*key)
+        elif backup is not None:
+            if not backup.valid:
+                raise _NoStepError(
+                    f"cannot roll back sub-group {request.subgroup_id} of group "
+                    f"{request.group_id}: no step since its last rollback (exact rollback "
+                    "keeps one pre-step copy)"
+                )
+            step = self._backend.restore(*key, backup)
+            backup.valid = False
+        else:
+            step = self._backend.rollback(*key)
+        return Done(step, time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Drop the tensors (the shared memory is released with the last reference)."""
+        self._backups.clear()
+        self._registered.clear()
+
+
+def create(config: object) -> AdamService:
+    """Worker-side factory named by ``"aoffload._adam_worker:create"``."""
+    if not isinstance(config, AdamConfig):
+        raise TypeError(f"expected an AdamConfig, got {type(config)!r}")
+    return AdamService(config)
+
+
+TARGET = f"{__name__}:create"

@@ -1,0 +1,56 @@
+"""Splitting this process's CPUs between the trainer and a worker, and putting them back."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["Affinity", "split_cores"]
+
+
+def split_cores(allowed: Sequence[int], worker_fraction: float) -> tuple[list[int], list[int]]:
+    """Split ``allowed`` CPUs into (trainer, worker) as DeepSpeed's ``cpuadam_cores_perc`` does.
+
+    The worker takes the last ``round(worker_fraction * n)`` CPUs, but each side keeps at
+    least one: on 2 CPUs any fraction gives one each (DeepSpeed's split silently leaves the
+    affinity unchanged there). With a single CPU both sides share it.
+    """
+    cores = list(allowed)
+    if len(cores) < 2:
+        return cores, cores
+    worker = min(max(round(worker_fraction * len(cores)), 1), len(cores) - 1)
+    return cores[: len(cores) - worker], cores[len(cores) - worker :]
+
+
+class Affinity:
+    """Pins this process's threads to the trainer's CPUs and puts them back on close."""
+
+    def __init__(self) -> None:
+        self._saved: dict[int, set[int]] = {}
+        self._threads: int | None = None
+
+    def apply(self, original: set[int], trainer: list[int]) -> None:
+        for task in Path("/proc/self/task").iterdir():
+            tid = int(task.name)
+            try:
+                if os.sched_getaffinity(tid) == original:
+                    os.sched_setaffinity(tid, trainer)
+                    self._saved[tid] = original
+            except OSError:
+                continue  # the thread ended meanwhile
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, min(self._threads, len(trainer))))
+
+    def restore(self) -> None:
+        for tid, cores in self._saved.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                continue
+        self._saved.clear()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None

@@ -1,0 +1,535 @@
+"""CPUAdam: SuperOffload-style Adam(W) sub-group steps in a worker process, awaited on asyncio.
+
+The trainer submits a sub-group (``submit()`` returns at once) as soon as its gradients
+are ready and keeps working; the worker applies the step to the param **in place**
+through shared memory, and ``results()`` yields a :class:`StepResult` per finished step.
+
+Zero copy: on a sub-group's first submit (or :meth:`CPUAdam.register`) its param and
+grad are moved to shared memory *in place* (``Tensor.share_memory_()``: the caller's
+tensors, and every view of their storage, keep working) and handed to the worker once.
+Every later submit sends two ids, the learning rate and a flag: no tensor, no file
+descriptor, no pickled data.
+
+Rollback: ``rollback=True`` undoes the sub-group's last step. By default this is
+DeepSpeed's algebraic inverse, which needs ``grad`` to still hold the gradient of the
+step it undoes; its rounding can leave a few second moments slightly negative (a later
+zero gradient then makes them NaN in DeepSpeed). The ``torch`` backend clamps them at
+zero; the ``deepspeed`` backend stays bit-identical to DeepSpeed and keeps them.
+``exact_rollback=True`` instead keeps a pre-step copy of param and both moments of
+every sub-group in the worker (12 extra bytes per element: the optimizer then holds
+20 bytes per element instead of 8, on top of the param) plus one 3-tensor copy per
+step, and restores them bit-exactly; it undoes one step (a second rollback in a row
+is an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ._adam_worker import TARGET, AdamConfig, AdamOp, Done, GroupConfig, Info, Register, Step
+from ._affinity import Affinity, split_cores
+from ._bridge import Bridge, DaemonThreadExecutor
+from ._errors import ClosedError, OptimizerError
+
+__all__ = ["CPUAdam", "StepKind", "StepResult", "StepResults", "split_cores"]
+
+logger = logging.getLogger(__name__)
+
+_GROUP_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "params"}
+_BACKENDS = ("auto", "deepspeed", "torch")
+
+
+class StepKind(enum.Enum):
+    """What a finished :class:`StepResult` did."""
+
+    STEP = "step"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One finished sub-group operation, as yielded by :meth:`CPUAdam.results`.
+
+    ``step`` is the sub-group's step count after the operation, ``param`` the caller's
+    param tensor (already updated in place) and ``seconds`` the worker's compute time.
+    """
+
+    group_id: int
+    subgroup_id: int
+    kind: StepKind
+    step: int
+    param: torch.Tensor = field(repr=False)
+    seconds: float
+
+
+def _group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
+    unknown = set(group) - _GROUP_KEYS
+    if unknown:
+        raise OptimizerError(
+            f"param group {index} has unknown keys {sorted(unknown)}; "
+            f"supported: {sorted(_GROUP_KEYS - {'params'})} ('params' is ignored)"
+        )
+    if group.get("amsgrad", False):
+        raise OptimizerError(f"param group {index}: amsgrad is not supported (DeepSpeed has none)")
+    betas = group.get("betas", (0.9, 0.999))
+    try:
+        beta1, beta2 = (float(b) for b in betas)  # type: ignore[attr-defined]
+        config = GroupConfig(
+            lr=float(group.get("lr", 1e-3)),  # type: ignore[arg-type]
+            beta1=beta1,
+            beta2=beta2,
+            eps=float(group.get("eps", 1e-8)),  # type: ignore[arg-type]
+            weight_decay=float(group.get("weight_decay", 0.0)),  # type: ignore[arg-type]
+            bias_correction=bool(group.get("bias_correction", True)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise OptimizerError(f"param group {index}: {exc}") from exc
+    if not (0.0 <= beta1 < 1.0 and 0.0 < beta2 < 1.0):
+        raise OptimizerError(f"param group {index}: betas must lie in [0, 1), got {betas!r}")
+    if config.lr < 0 or config.eps <= 0 or config.weight_decay < 0:
+        raise OptimizerError(
+            f"param group {index}: lr, eps and weight_decay must be >= 0 (eps > 0)"
+        )
+    return config
+
+
+def _check_tensor(role: str, tensor: object, where: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise OptimizerError(f"{where}: {role} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise OptimizerError(
+            f"{where}: {role} is on {tensor.device}; CPUAdam steps CPU tensors (copy it to "
+            "the CPU master copy first)"
+        )
+    if tensor.dtype != torch.float32:
+        raise OptimizerError(f"{where}: {role} is {tensor.dtype}; CPUAdam needs torch.float32")
+    if not tensor.is_contiguous():
+        raise OptimizerError(f"{where}: {role} is not contiguous; pass `.contiguous()` once")
+    if tensor.numel() == 0:
+        raise OptimizerError(f"{where}: {role} is empty")
+    return tensor
+
+
+def _nothing() -> None:
+    return None
+
+
+def _mark_retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+    )
+
+
+class _SubGroup:
+    __slots__ = ("grad", "in_flight", "param")
+
+    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self.param = param
+        self.grad = grad
+        self.in_flight = 0
+
+
+class _Pending:
+    __slots__ = ("future", "group_id", "kind", "param", "register", "subgroup")
+
+    def __init__(
+        self,
+        group_id: int,
+        subgroup: int,
+        kind: StepKind,
+        param: torch.Tensor,
+        future: asyncio.Future[Done],
+        register: asyncio.Future[None] | None,
+    ) -> None:
+        self.group_id = group_id
+        self.subgroup = subgroup
+        self.kind = kind
+        self.param = param
+        self.future = future
+        self.register = register
+
+    def result(self) -> StepResult:
+        if self.register is not None:
+            self.register.result()  # a failed registration is the reason this step failed
+        done = self.future.result()
+        return StepResult(
+            self.group_id, self.subgroup, self.kind, done.step, self.param, done.seconds
+        )
+
+
+class StepResults:
+    """Async iterator over finished steps in completion order (from :meth:`CPUAdam.results`).
+
+    It holds no resources: ``break`` leaves the remaining results for a later
+    ``results()`` or ``drain()``. It ends when no step is outstanding.
+    """
+
+    def __init__(self, optimizer: CPUAdam) -> None:
+        self._optimizer = optimizer
+
+    def __aiter__(self) -> StepResults:
+        """Return this iterator."""
+        return self
+
+    async def __anext__(self) -> StepResult:
+        """The next finished step; raises that step's error if it failed."""
+        pending = await self._optimizer._next_completed()
+        if pending is None:
+            raise StopAsyncIteration
+        return pending.result()
+
+
+class CPUAdam:
+    """Adam(W) on the CPU in a worker process, one sub-group at a time (SuperOffload-style).
+
+    ``param_groups`` is a list of dicts with ``lr``, ``betas``, ``eps``, ``weight_decay``
+    and ``amsgrad`` (must be false), as DeepSpeed's optimizer config; missing keys take
+    DeepSpeed's defaults and a ``params`` key is ignored. ``backend`` is ``"deepspeed"``,
+    ``"torch"`` or ``"auto"`` (DeepSpeed when it imports and its op builds; the choice is
+    logged and exposed as :attr:`backend`). See the module docstring for rollback and
+    the zero-copy contract.
+
+    ``worker_cores`` is the fraction of this process's allowed CPUs given to the worker
+    (see :func:`split_cores`); the trainer's threads are pinned to the rest and its torch
+    thread count lowered to match, and both are restored by :meth:`aclose`. The worker's
+    torch/OpenMP thread count is set to its share. With one allowed CPU (or no affinity
+    support) nothing is pinned; on 2 CPUs each side gets one. ``worker_cores=None``
+    leaves affinity and thread counts alone (for hosts that manage them).
+    """
+
+    def __init__(
+        self,
+        param_groups: Sequence[Mapping[str, object]],
+        *,
+        backend: str = "auto",
+        worker_cores: float | None = 0.8,
+        exact_rollback: bool = False,
+        start_timeout: float = 120.0,
+        close_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(param_groups, Mapping):
+            param_groups = [param_groups]
+        if not param_groups:
+            raise OptimizerError("CPUAdam needs at least one param group")
+        if backend not in _BACKENDS:
+            raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
+            raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+        self._groups = tuple(_group_config(i, group) for i, group in enumerate(param_groups))
+        self._requested_backend = backend
+        self._worker_cores = worker_cores
+        self._exact = exact_rollback
+        self._start_timeout = start_timeout
+        self._close_timeout = close_timeout
+        self._bridge: Bridge | None = None
+        self._backend: str | None = None
+        self._affinity = Affinity()
+        self._executor: DaemonThreadExecutor | None = None
+        self._subgroups: dict[tuple[int, int], _SubGroup] = {}
+        self._pending: set[_Pending] = set()
+        self._completed: collections.deque[_Pending] = collections.deque()
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._idle_waiters: set[asyncio.Future[None]] = set()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id while it runs, else ``None``."""
+        return None if self._bridge is None else self._bridge.pid
+
+    @property
+    def backend(self) -> str | None:
+        """The backend the worker runs (``"deepspeed"`` or ``"torch"``) once started."""
+        return self._backend
+
+    @property
+    def outstanding(self) -> int:
+        """Submitted steps whose result has not been consumed yet."""
+        return len(self._pending) + len(self._completed)
+
+    async def __aenter__(self) -> CPUAdam:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
+        if self._bridge is not None or self._closed:
+            raise ClosedError("this CPUAdam was already started; create a new one")
+        original: set[int] | None = None
+        trainer: list[int] = []
+        worker: list[int] | None = None
+        if self._worker_cores is not None and hasattr(os, "sched_getaffinity"):
+            original = os.sched_getaffinity(0)
+            trainer, worker = split_cores(sorted(original), self._worker_cores)
+        split = worker is not None and len(trainer) > 0 and set(trainer).isdisjoint(worker)
+        config = AdamConfig(
+            groups=self._groups,
+            backend=self._requested_backend,
+            exact_rollback=self._exact,
+            cores=tuple(worker) if split and worker is not None else None,
+            threads=len(worker) if split and worker is not None else None,
+        )
+        bridge = self._bridge = Bridge(
+            TARGET,
+            config,
+            name="cpu-adam",
+            start_timeout=self._start_timeout,
+            close_timeout=self._close_timeout,
+        )
+        await bridge.start()
+        try:
+            info: Info = await bridge.request(AdamOp.INFO)
+        except BaseException:
+            await bridge.aclose()
+            raise
+        self._backend = info.backend
+        if split and original is not None:
+            self._affinity.apply(original, trainer)
+        logger.info(
+            "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
+            bridge.pid,
+            info.backend,
+            info.threads,
+            "unpinned" if info.cores is None else list(info.cores),
+            trainer if split else "unpinned",
+        )
+
+    async def aclose(self) -> None:
+        """Stop the worker after the steps already sent; idempotent.
+
+        Results not consumed yet are dropped. The trainer's CPU affinity and torch thread
+        count are restored. No process or shared-memory segment outlives it (the params
+        stay in shared memory as long as the caller holds them).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._bridge is not None:
+                await self._bridge.aclose()
+        finally:
+            self._affinity.restore()
+            if self._executor is not None:
+                # Wait out a registration copy still running, then stop the idle thread.
+                await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
+                self._executor.shutdown(wait=True)
+            self._wake()
+            self._subgroups.clear()
+
+    # -- submitting ----------------------------------------------------------------------
+
+    def _check_running(self) -> Bridge:
+        if self._bridge is None or self._closed:
+            raise ClosedError(
+                "CPUAdam is not running; use it inside `async with` and before `aclose()`"
+            )
+        self._bridge.check()
+        return self._bridge
+
+    def _validate(
+        self, group_id: object, subgroup_id: object, param: object, grad: object, lr: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(group_id, int) or not 0 <= group_id < len(self._groups):
+            raise OptimizerError(
+                f"unknown param group id {group_id!r}: this CPUAdam has groups "
+                f"0..{len(self._groups) - 1}"
+            )
+        if not isinstance(subgroup_id, int):
+            raise OptimizerError(f"subgroup_id must be an int, got {type(subgroup_id).__name__}")
+        where = f"sub-group {subgroup_id} of group {group_id}"
+        param_t = _check_tensor("param", param, where)
+        grad_t = _check_tensor("grad", grad, where)
+        if grad_t.shape != param_t.shape:
+            raise OptimizerError(
+                f"{where}: grad shape {tuple(grad_t.shape)} != param shape {tuple(param_t.shape)}"
+            )
+        if lr is not None and (not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
+            raise OptimizerError(f"{where}: lr must be a finite float >= 0 or None, got {lr!r}")
+        registered = self._subgroups.get((group_id, subgroup_id))
+        if registered is not None and not _same_memory(registered.param, param_t):
+            raise OptimizerError(
+                f"{where}: param is not the tensor registered on its first submit "
+                f"(shape {tuple(registered.param.shape)}); the worker updates that tensor in "
+                "place. Copy new values into it (`registered.copy_(new)`), or use a new "
+                "sub-group id"
+            )
+        return param_t, grad_t
+
+    @staticmethod
+    def _share(param: torch.Tensor, grad: torch.Tensor) -> None:
+        try:
+            param.share_memory_()  # type: ignore[no-untyped-call]
+            grad.share_memory_()  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            raise OptimizerError(
+                f"could not move the tensors to shared memory ({exc}); pass tensors that own "
+                "their memory (not pinned, not from numpy/from_blob)"
+            ) from exc
+
+    def _send_register(
+        self,
+        bridge: Bridge,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> asyncio.Future[None]:
+        self._subgroups[group_id, subgroup_id] = _SubGroup(param, grad)
+        payload = Register(group_id, subgroup_id, param.detach(), grad.detach())
+        future: asyncio.Future[None] = bridge.send(AdamOp.REGISTER, payload)
+        future.add_done_callback(_mark_retrieved)
+        return future
+
+    async def register(
+        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        """Move ``param`` and ``grad`` to shared memory off the event loop and register them.
+
+        Optional: the first :meth:`submit` of a sub-group does the same on the loop (a
+        copy of both tensors, which blocks the loop for large ones).
+        """
+        bridge = self._check_running()
+        param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, None)
+        if (group_id, subgroup_id) in self._subgroups:
+            return
+        if self._executor is None:
+            self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._share, param_t, grad_t
+        )
+        bridge = self._check_running()
+        if (group_id, subgroup_id) not in self._subgroups:
+            await self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
+
+    def submit(
+        self,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float | None = None,
+        rollback: bool = False,
+    ) -> None:
+        """Queue one step (or, with ``rollback=True``, the undo of the last one); non-blocking.
+
+        ``param`` is updated in place; ``grad`` must not change until this step's result
+        arrives. A ``grad`` other than the sub-group's registered one is copied into the
+        registered (shared) buffer here, on the caller's thread: one memcpy, allowed only
+        when none of that sub-group's steps is in flight. ``lr`` sets the group's learning
+        rate from this step on. Raises :class:`OptimizerError` for bad input, before
+        anything is sent.
+        """
+        bridge = self._check_running()
+        param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, lr)
+        key = (group_id, subgroup_id)
+        sub = self._subgroups.get(key)
+        register: asyncio.Future[None] | None = None
+        if sub is None:
+            self._share(param_t, grad_t)
+            register = self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
+            sub = self._subgroups[key]
+        elif not _same_memory(sub.grad, grad_t):
+            if sub.in_flight:
+                raise OptimizerError(
+                    f"sub-group {subgroup_id} of group {group_id} has a step in flight; pass "
+                    "its registered grad tensor, or wait for the result before passing another"
+                )
+            sub.grad.copy_(grad_t)
+        step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
+        future: asyncio.Future[Done] = bridge.send(AdamOp.STEP, step)
+        kind = StepKind.ROLLBACK if rollback else StepKind.STEP
+        pending = _Pending(group_id, subgroup_id, kind, param_t, future, register)
+        sub.in_flight += 1
+        self._pending.add(pending)
+        future.add_done_callback(lambda _: self._on_done(pending, sub))
+
+    # -- results -------------------------------------------------------------------------
+
+    def _on_done(self, pending: _Pending, sub: _SubGroup) -> None:
+        _mark_retrieved(pending.future)  # raised by results()/drain(), or dropped by aclose()
+        sub.in_flight -= 1
+        self._pending.discard(pending)
+        self._completed.append(pending)
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if not self._pending or self._closed:
+            for waiter in self._idle_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def _wait_for_change(self, *, idle: bool = False) -> None:
+        # Each wait has its own future, so a cancelled wait never disturbs another.
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._idle_waiters if idle else self._waiters
+        waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            waiters.discard(waiter)
+
+    async def _next_completed(self) -> _Pending | None:
+        while not self._completed:
+            if not self._pending:
+                return None
+            await self._wait_for_change()
+        return self._completed.popleft()
+
+    def results(self) -> StepResults:
+        """Iterate finished steps in completion order; ends when none is outstanding.
+
+        A failed step raises :class:`~aoffload.RemoteError` for that step (iteration may
+        go on); a dead worker raises :class:`~aoffload.WorkerDiedError`.
+        """
+        return StepResults(self)
+
+    async def drain(self) -> list[StepResult]:
+        """Wait for every outstanding step and return their results in completion order.
+
+        If any step failed, the first error is raised once all of them have finished.
+        Cancelling the wait consumes nothing: a later ``drain()`` returns every result.
+        """
+        while self._pending:
+            await self._wait_for_change(idle=True)  # one wake-up when the last step is done
+        finished, self._completed = list(self._completed), collections.deque()
+        results: list[StepResult] = []
+        first_error: BaseException | None = None
+        for pending in finished:
+            try:
+                results.append(pending.result())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest finished
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
