@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -90,6 +90,14 @@ def closing(factory: Callable[[], Any]) -> Any:
         return run_sequence(opt)
     finally:
         opt.close()
+
+
+@pytest.fixture(autouse=True)
+def keep_affinity() -> Iterator[None]:
+    """DeepSpeed's class re-pins this process's CPUs and never restores them; put them back."""
+    original = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, original)
 
 
 def test_bit_identical_to_deepspeeds_class() -> None:
@@ -186,7 +194,9 @@ def test_install_superoffload_swaps_the_stage3_cpu_optimizer() -> None:
     stage3.max_grad_numel = 4096
     stage3.offload_optimizer_pin_memory = False
     stage3.async_cpuadam_num = 0
-    old = reference.SuperOffloadCPUOptimizer(GROUPS, max_grad_numel=4096, pin_memory=False)
+    old = reference.SuperOffloadCPUOptimizer(
+        GROUPS, cpuadam_cores_perc=1.0, max_grad_numel=4096, pin_memory=False
+    )
     stage3.superoffload_cpu_optimizer = old
     new = install_superoffload(stage3, backend="torch")
     try:
