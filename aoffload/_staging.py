@@ -18,10 +18,13 @@ import itertools
 import logging
 import mmap
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ._errors import CheckpointError
 
 __all__ = ["ALIGN", "Region", "Segment", "Slot", "aligned"]
 
@@ -52,6 +55,17 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
+            try:
+                # Reserve the pages now: on a full tmpfs a mapped page that cannot be backed
+                # kills the process with SIGBUS when touched, far from any useful message.
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                free = shutil.disk_usage(directory).free
+                raise CheckpointError(
+                    f"checkpoint staging needs {self.size / 2**20:.0f} MiB of shared memory in "
+                    f"{directory}, which has {free / 2**20:.0f} MiB free ({exc.strerror}); "
+                    "enlarge it (e.g. `docker run --shm-size=...`) or save smaller files"
+                ) from exc
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, flags=flags)
         except BaseException:

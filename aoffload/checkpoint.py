@@ -590,6 +590,7 @@ class CheckpointEngine:
         plan = _plan(state, name)
         async with self._save_lock:
             open_tag = self._open.get(tag)
+            created = open_tag is None
             if open_tag is None:
                 slot = await self._acquire_slot(tag)
                 tmpdir = self._directory / f"{_TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
@@ -603,6 +604,10 @@ class CheckpointEngine:
             open_tag.idle.clear()
             try:
                 await self._stage_and_send(open_tag, name, plan)
+            except BaseException:
+                if created and not open_tag.writes:
+                    self._release(open_tag)  # nothing reached the writer: free the slot again
+                raise
             finally:
                 open_tag.staging -= 1
                 if open_tag.staging == 0:

@@ -146,3 +146,16 @@ def test_the_example_runs(tmp_path: Path) -> None:
     )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step-40" in resumed.stdout
+
+
+async def test_too_little_shared_memory_is_a_clear_error_not_a_sigbus(
+    small_filesystem: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container's /dev/shm is often 64 MiB; here a real 6 MiB tmpfs stands in for it.
+    monkeypatch.setattr("aoffload._staging._SHM_DIR", str(small_filesystem))
+    async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
+        with pytest.raises(aoffload.CheckpointError, match=r"shared memory.*--shm-size"):
+            await engine.save({"w": torch.ones(4096, 1024)}, "model.pt", tag="big")  # 16 MiB
+        assert os.listdir(small_filesystem) == []
+        await engine.save({"w": torch.ones(256, 1024)}, "model.pt", tag="small")  # 1 MiB fits
+        assert (await engine.commit()).tag == "small"
