@@ -4,6 +4,7 @@ and fails if the library blocks the event loop for longer than ``SLOW_CALLBACK_S
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -47,6 +48,15 @@ class LoopBlockGuard(logging.Handler):
         message = record.getMessage()
         if message.startswith("Executing ") and " took " in message:
             self.slow.append(message)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _frozen_heap() -> None:
+    """Move everything imported so far (torch, pytest) out of the collector's reach, so a
+    full garbage collection of the test process's heap is not mistaken for the library
+    blocking the loop."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
