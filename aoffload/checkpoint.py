@@ -427,6 +427,8 @@ class CheckpointEngine:
             else None
         )
         self._io: DaemonThreadExecutor | None = None
+        self._trash: DaemonThreadExecutor | None = None
+        self._deletions: set[asyncio.Future[None]] = set()
         self._slots = [Slot(i) for i in range(max_pending)]
         self._free_slots = list(reversed(self._slots))
         self._slot_waiters: list[asyncio.Future[None]] = []
@@ -539,6 +541,10 @@ class CheckpointEngine:
                 if self._bridge is not None:
                     await self._bridge.aclose()
             finally:
+                if self._deletions:
+                    await asyncio.wait(self._deletions)
+                if self._trash is not None:
+                    self._trash.shutdown(wait=True)
                 if self._io is not None:
                     for open_tag in list(self._open.values()):
                         await self._rmtree(open_tag.tmpdir)
@@ -834,9 +840,24 @@ class CheckpointEngine:
             try:
                 # Renamed first, so a crash mid-delete never leaves a half tag listed.
                 await aiofiles.os.rename(self._directory / tag, trash, executor=io_)
-                await self._rmtree(trash)
             except OSError:
                 logger.exception("retention could not delete checkpoint %r; left in place", tag)
+                continue
+            # Deleting GiBs takes a while: on its own thread, off commit()'s path and off the
+            # I/O thread that stages the next save(); aclose() waits for it.
+            if self._trash is None:
+                self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
+            deletion = asyncio.get_running_loop().run_in_executor(self._trash, _remove_tree, trash)
+            self._deletions.add(deletion)
+            deletion.add_done_callback(self._deleted)
+
+    def _deleted(self, deletion: asyncio.Future[None]) -> None:
+        self._deletions.discard(deletion)
+        if not deletion.cancelled() and deletion.exception() is not None:
+            logger.error(
+                "retention could not delete an old checkpoint; a later start removes it",
+                exc_info=deletion.exception(),
+            )
 
     # -- load ---------------------------------------------------------------------------
 

@@ -62,7 +62,17 @@ def _scratch(root: Path, name: str) -> Iterator[Path]:
 # -- limits -----------------------------------------------------------------------------------
 
 
-def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
+def memcpy_seconds(state: dict[str, torch.Tensor], threads: int | None = None) -> float:
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _memcpy_seconds(state)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     targets = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in state.values()]
     for dst, src in zip(targets, state.values(), strict=True):  # warm the targets
         dst.copy_(src)
@@ -343,10 +353,17 @@ def _run(report: Report, *, quick: bool, size_gib: float, root: Path, device: st
     progress("checkpoint: memcpy and raw disk rates")
     memcpy = report.add(
         SECTION,
-        "limit: memcpy (warm)",
+        f"limit: memcpy (warm, {torch.get_num_threads()} threads)",
         "copy time",
         "s",
         [memcpy_seconds(state) for _ in range(reps)],
+    )
+    memcpy1 = report.add(
+        SECTION,
+        "limit: memcpy (warm, 1 thread)",
+        "copy time",
+        "s",
+        [memcpy_seconds(state, threads=1) for _ in range(reps)],
     )
     disk_direct = report.add(
         SECTION,
@@ -400,7 +417,15 @@ def _run(report: Report, *, quick: bool, size_gib: float, root: Path, device: st
 
     stall = report.find(SECTION, "aoffload", "save() stall")
     durable = report.find(SECTION, "aoffload", "time to durable")
-    report.ratio(SECTION, "aoffload save() stall / memcpy of the state", stall, memcpy)
+    report.ratio(SECTION, f"aoffload save() stall / {memcpy.system}", stall, memcpy)
+    report.ratio(SECTION, f"aoffload save() stall / {memcpy1.system}", stall, memcpy1)
+    write_rate = report.find(SECTION, "aoffload", "write rate (GiB/s)")
+    direct_rate = report.find(SECTION, "limit: disk O_DIRECT", "rate (GiB/s)")
+    buffered_rate = report.find(SECTION, "limit: disk buffered+fsync", "rate (GiB/s)")
+    report.ratio(SECTION, "aoffload write rate / disk O_DIRECT rate", write_rate, direct_rate)
+    report.ratio(
+        SECTION, "aoffload write rate / disk buffered+fsync rate", write_rate, buffered_rate
+    )
     report.ratio(SECTION, "aoffload save() stall / torch.save+fsync", stall, tsave)
     report.ratio(SECTION, "aoffload time to durable / torch.save+fsync", durable, tsave)
     report.ratio(SECTION, "aoffload time to durable / disk O_DIRECT write", durable, disk_direct)
