@@ -100,14 +100,19 @@ def _superoffload(
 
 
 async def _aoffload(
-    groups: list[tuple[torch.Tensor, torch.Tensor]], backend: str, reps: int
+    groups: list[tuple[torch.Tensor, torch.Tensor]],
+    backend: str,
+    reps: int,
+    worker_cores: float | None = 0.8,
 ) -> tuple[list[float], list[float]]:
     import aoffload
 
     params = [p.clone() for p, _ in groups]
     grads = [g.clone() for _, g in groups]
     walls, cpus = [], []
-    async with aoffload.CPUAdam([dict(CONFIG)], backend=backend) as optimizer:
+    async with aoffload.CPUAdam(
+        [dict(CONFIG)], backend=backend, worker_cores=worker_cores
+    ) as optimizer:
         for rep in range(reps + 1):  # the first pass registers the tensors: warm-up
             wall, cpu = time.perf_counter(), time.process_time()
             for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -189,11 +194,13 @@ def _shape(report: Report, count: int, numel: int, reps: int) -> None:
             SECTION, "DeepSpeed SuperOffloadCPUOptimizer", f"{type(exc).__name__}: {exc}"[:300]
         )
 
-    for backend in ("deepspeed", "torch"):
-        system = f"aoffload CPUAdam ({backend})"
+    variants = (("deepspeed", 0.8), ("torch", 0.8), ("deepspeed", None))
+    for backend, cores in variants:
+        pinning = "" if cores is not None else ", worker_cores=None"
+        system = f"aoffload CPUAdam ({backend}{pinning})"
         progress(f"optimizer {label}: {system}")
         try:
-            walls, cpus = asyncio.run(_aoffload(groups, backend, reps))
+            walls, cpus = asyncio.run(_aoffload(groups, backend, reps, cores))
         except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
             report.skip(SECTION, system, f"{type(exc).__name__}: {exc}"[:300])
             continue
