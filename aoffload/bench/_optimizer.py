@@ -132,13 +132,13 @@ def run(report: Report, *, quick: bool) -> None:
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         for count, numel in shapes:
-            _shape(report, count, numel, reps)
+            _shape(report, count, numel, reps, quick=quick)
     finally:
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
 
 
-def _shape(report: Report, count: int, numel: int, reps: int) -> None:
+def _shape(report: Report, count: int, numel: int, reps: int, *, quick: bool) -> None:
     label = f"{count} x {numel / 1e6:.0f}M"
     groups = _subgroups(count, numel)
     baseline = None
@@ -194,7 +194,11 @@ def _shape(report: Report, count: int, numel: int, reps: int) -> None:
             SECTION, "DeepSpeed SuperOffloadCPUOptimizer", f"{type(exc).__name__}: {exc}"[:300]
         )
 
-    variants = (("deepspeed", 0.8), ("torch", 0.8), ("deepspeed", None))
+    variants: tuple[tuple[str, float | None], ...] = (("deepspeed", 0.8), ("torch", 0.8))
+    if quick:
+        report.skip(SECTION, "aoffload CPUAdam (deepspeed, worker_cores=None)", "--quick")
+    else:
+        variants += (("deepspeed", None),)
     for backend, cores in variants:
         pinning = "" if cores is not None else ", worker_cores=None"
         system = f"aoffload CPUAdam ({backend}{pinning})"
