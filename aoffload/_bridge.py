@@ -48,7 +48,7 @@ from ._errors import (
 from ._protocol import Control, Failure, Incoming, LogEvent, Ready, Reply, Request, StartupFailed
 from ._worker import worker_main
 
-__all__ = ["Bridge", "DaemonThreadExecutor", "WorkerState"]
+__all__ = ["AsyncResource", "Bridge", "DaemonThreadExecutor", "WorkerState"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,33 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
                 future.set_exception(exc)
 
 
+_H = TypeVar("_H", bound="AsyncResource")
+
+
+class AsyncResource:
+    """``async with`` for every worker-backed object: ``start()`` on entry, ``aclose()`` on exit."""
+
+    async def start(self) -> None:
+        """Acquire the resource (spawn the worker)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Release the resource; idempotent."""
+        raise NotImplementedError
+
+    async def __aenter__(self: _H) -> _H:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
 class WorkerState(enum.Enum):
     """Lifecycle of a :class:`Bridge`."""
 
@@ -112,7 +139,7 @@ class WorkerState(enum.Enum):
     CLOSED = "closed"
 
 
-class Bridge:
+class Bridge(AsyncResource):
     """One spawned worker process serving ``target`` (``"module:factory"``) with ``config``.
 
     ``factory(config)`` runs in the worker and returns a :class:`~aoffload._worker.Service`.
@@ -171,18 +198,6 @@ class Bridge:
         return len(self._pending)
 
     # -- lifecycle -----------------------------------------------------------------------
-
-    async def __aenter__(self) -> Bridge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Spawn the worker and wait (at most ``start_timeout`` s) for its READY message."""

@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from types import TracebackType
 from typing import Any
 
 import aiofiles
@@ -39,7 +38,7 @@ import aiofiles.os
 import torch
 import xxhash
 
-from ._bridge import Bridge, DaemonThreadExecutor
+from ._bridge import AsyncResource, Bridge, DaemonThreadExecutor
 from ._errors import (
     CheckpointError,
     ClosedError,
@@ -381,7 +380,7 @@ class _OpenTag:
     commit: asyncio.Task[CommitResult] | None = None
 
 
-class CheckpointEngine:
+class CheckpointEngine(AsyncResource):
     """Snapshot-consistent asynchronous checkpoints written by a spawned writer process.
 
     Use as ``async with CheckpointEngine(directory) as engine:``; see :meth:`save`,
@@ -461,18 +460,6 @@ class CheckpointEngine:
         return list(self._committed)
 
     # -- lifecycle ----------------------------------------------------------------------
-
-    async def __aenter__(self) -> CheckpointEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""

@@ -32,14 +32,13 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from ._adam_worker import TARGET, AdamConfig, AdamOp, Done, GroupConfig, Info, Register, Step
 from ._affinity import Affinity, split_cores
-from ._bridge import Bridge, DaemonThreadExecutor
+from ._bridge import AsyncResource, Bridge, DaemonThreadExecutor
 from ._errors import ClosedError, OptimizerError
 
 __all__ = ["CPUAdam", "StepKind", "StepResult", "StepResults", "split_cores"]
@@ -197,7 +196,7 @@ class StepResults:
         return pending.result()
 
 
-class CPUAdam:
+class CPUAdam(AsyncResource):
     """Adam(W) on the CPU in a worker process, one sub-group at a time (SuperOffload-style).
 
     ``param_groups`` is a list of dicts with ``lr``, ``betas``, ``eps``, ``weight_decay``
@@ -266,18 +265,6 @@ class CPUAdam:
     def outstanding(self) -> int:
         """Submitted steps whose result has not been consumed yet."""
         return len(self._pending) + len(self._completed)
-
-    async def __aenter__(self) -> CPUAdam:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
