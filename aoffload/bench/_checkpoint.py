@@ -42,14 +42,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def _scratch(root: Path, name: str) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
