@@ -10,6 +10,34 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Control",
+    "Failure",
+    "Incoming",
+    "LogEvent",
+    "Ready",
+    "Reply",
+    "Request",
+    "StartupFailed",
+    "Wire",
+]
+
+
+class Wire:
+    """Base of wire messages: pickled as the class and its field values.
+
+    A frozen, slotted dataclass otherwise unpickles through a generated
+    ``__setstate__`` that sets each field in turn; on the optimizer's per-step path
+    this halves the cost of each message at both ends.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        fields: tuple[str, ...] = type(self).__slots__  # a slotted dataclass: its fields
+        return (type(self), tuple([getattr(self, name) for name in fields]))
 
 
 class Control(enum.Enum):
@@ -19,7 +47,7 @@ class Control(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class Request(Wire):
     """Trainer -> worker: run ``op`` with ``payload``; the reply carries the same ``id``."""
 
     id: int
@@ -28,7 +56,7 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(Wire):
     """Worker -> trainer: ``op`` of request ``id`` returned ``value``."""
 
     id: int
@@ -36,7 +64,7 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
+class Failure(Wire):
     """Worker -> trainer: request ``id`` raised; the worker goes on serving."""
 
     id: int
@@ -46,14 +74,14 @@ class Failure:
 
 
 @dataclass(frozen=True, slots=True)
-class Ready:
+class Ready(Wire):
     """Worker -> trainer, once, first: the service is constructed and serving."""
 
     pid: int
 
 
 @dataclass(frozen=True, slots=True)
-class StartupFailed:
+class StartupFailed(Wire):
     """Worker -> trainer, once, instead of :class:`Ready`: the service could not start."""
 
     remote_type: str
@@ -62,7 +90,7 @@ class StartupFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class LogEvent:
+class LogEvent(Wire):
     """Worker -> trainer: a log record, re-emitted on the trainer's logger of the same name."""
 
     name: str

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
+import random
 import signal
+import struct
+import threading
 import time
 
 import pytest
 
 import aoffload
-from aoffload._bridge import Bridge, WorkerState
+from aoffload._bridge import Bridge, WorkerState, _Frames
 from aoffload._echo import TARGET, EchoConfig, EchoOp
 
 from ._leaks import Snapshot, child_pids
@@ -31,6 +35,59 @@ async def test_round_trips_typed_values() -> None:
         assert await asyncio.gather(*futures) == list(range(50))
     assert bridge.pid is None
     assert bridge.state is WorkerState.CLOSED
+
+
+async def test_replies_larger_than_the_pipe_arrive_whole() -> None:
+    payloads = [os.urandom(size) for size in (0, 1, 4096, 70_000, 3 << 20, 17)]
+    async with echo() as bridge:
+        futures = [bridge.send(EchoOp.ECHO, payload) for payload in payloads]
+        assert await asyncio.gather(*futures) == payloads
+
+
+async def test_send_callback_gets_the_value_the_remote_error_and_the_death() -> None:
+    outcomes: list[tuple[object, BaseException | None]] = []
+
+    def record(value: object, error: BaseException | None) -> None:
+        outcomes.append((value, error))
+
+    async with echo() as bridge:
+        bridge.send_callback(EchoOp.ECHO, "value", record)
+        bridge.send_callback(EchoOp.RAISE, "boom", record)
+        assert await bridge.request(EchoOp.ECHO, None) is None  # replies arrive in order
+        assert outcomes[0] == ("value", None)
+        assert isinstance(outcomes[1][1], aoffload.RemoteError)
+        pid = bridge.pid
+        assert pid is not None
+        bridge.send_callback(EchoOp.SLEEP, 30, record)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(aoffload.WorkerDiedError):
+            await bridge.request(EchoOp.ECHO, None)
+        assert isinstance(outcomes[2][1], aoffload.WorkerDiedError)
+        assert bridge.outstanding == 0
+
+
+def test_frames_split_a_connection_stream_read_in_arbitrary_chunks() -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    bodies = [os.urandom(size) for size in (0, 1, 5, 70_000, 200_000, 3, 16_385)]
+
+    def write() -> None:
+        for body in bodies:
+            writer.send_bytes(body)
+        writer.close()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    frames, received, chunks = _Frames(), [], random.Random(0)
+    while chunk := os.read(reader.fileno(), chunks.randint(1, 9000)):
+        received += [bytes(body) for body in frames.feed(chunk)]
+    thread.join()
+    reader.close()
+    assert received == bodies
+    # A frame over 2 GiB has a -1 header then an 8-byte size; fed one byte at a time.
+    long_form = struct.pack("!i", -1) + struct.pack("!Q", 3) + b"abc"
+    assert [bytes(b) for i in range(len(long_form)) for b in frames.feed(long_form[i : i + 1])] == [
+        b"abc"
+    ]
 
 
 async def test_remote_error_keeps_the_worker_serving() -> None:
