@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ._protocol import Wire
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdamConfig", "AdamOp", "Done", "GroupConfig", "Info", "Register", "Step"]
@@ -83,7 +85,7 @@ class Register:
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class Step(Wire):
     """Trainer -> worker, per step: ids and scalars only, never tensors."""
 
     group_id: int
@@ -93,7 +95,7 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
-class Done:
+class Done(Wire):
     """Reply to a :class:`Step`: the sub-group's step count after it, and the compute time."""
 
     step: int

@@ -120,6 +120,10 @@ def _check_tensor(role: str, tensor: object, where: str) -> torch.Tensor:
     return tensor
 
 
+def _valid_lr(lr: object) -> bool:
+    return isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0
+
+
 def _nothing() -> None:
     return None
 
@@ -129,25 +133,43 @@ def _mark_retrieved(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape
-    )
-
-
 class _SubGroup:
-    __slots__ = ("grad", "in_flight", "param")
+    """A registered sub-group: the caller's tensors and the shared memory the worker maps."""
+
+    __slots__ = ("grad", "grad_buffer", "grad_ptr", "in_flight", "numel", "param", "param_ptr")
 
     def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         self.param = param
         self.grad = grad
+        # An alias of the shared grad memory that the caller cannot re-point (`set_()`).
+        self.grad_buffer = grad.detach()
+        self.param_ptr = param.data_ptr()
+        self.grad_ptr = grad.data_ptr()
+        self.numel = param.numel()
         self.in_flight = 0
+
+    def same(self, param: object, grad: object) -> bool:
+        """The registered tensors themselves, still on their registered memory (fast path)."""
+        return (
+            param is self.param
+            and grad is self.grad
+            and self.param.data_ptr() == self.param_ptr
+            and self.grad.data_ptr() == self.grad_ptr
+            and self.param.numel() == self.numel
+            and self.grad.numel() == self.numel
+        )
+
+    def is_param(self, param: torch.Tensor) -> bool:
+        return param.data_ptr() == self.param_ptr and param.numel() == self.numel
+
+    def is_grad(self, grad: torch.Tensor) -> bool:
+        return grad.data_ptr() == self.grad_ptr and grad.numel() == self.numel
 
 
 class _Pending:
-    __slots__ = ("future", "group_id", "kind", "param", "register", "subgroup")
+    """One submitted step; its reply callback records the outcome."""
+
+    __slots__ = ("done", "error", "group_id", "kind", "param", "register", "subgroup")
 
     def __init__(
         self,
@@ -155,20 +177,24 @@ class _Pending:
         subgroup: int,
         kind: StepKind,
         param: torch.Tensor,
-        future: asyncio.Future[Done],
         register: asyncio.Future[None] | None,
     ) -> None:
         self.group_id = group_id
         self.subgroup = subgroup
         self.kind = kind
         self.param = param
-        self.future = future
         self.register = register
+        self.done: Done | None = None
+        self.error: BaseException | None = None
 
     def result(self) -> StepResult:
         if self.register is not None:
             self.register.result()  # a failed registration is the reason this step failed
-        done = self.future.result()
+        if self.error is not None:
+            raise self.error
+        if self.done is None:
+            raise RuntimeError("a step result was read before it arrived")  # a bug of ours
+        done = self.done
         return StepResult(
             self.group_id, self.subgroup, self.kind, done.step, self.param, done.seconds
         )
@@ -358,13 +384,14 @@ class CPUAdam(AsyncResource):
             raise OptimizerError(
                 f"{where}: grad shape {tuple(grad_t.shape)} != param shape {tuple(param_t.shape)}"
             )
-        if lr is not None and (not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
+        if lr is not None and not _valid_lr(lr):
             raise OptimizerError(f"{where}: lr must be a finite float >= 0 or None, got {lr!r}")
         registered = self._subgroups.get((group_id, subgroup_id))
-        if registered is not None and not _same_memory(registered.param, param_t):
+        if registered is not None and not registered.is_param(param_t):
             raise OptimizerError(
-                f"{where}: param is not the tensor registered on its first submit "
-                f"(shape {tuple(registered.param.shape)}); the worker updates that tensor in "
+                f"{where}: param is not the memory registered on its first submit (a "
+                f"tensor of {registered.numel} elements; re-pointing it with `.set_()` or "
+                "`.data =` counts as another tensor): the worker updates that memory in "
                 "place. Copy new values into it (`registered.copy_(new)`), or use a new "
                 "sub-group id"
             )
@@ -435,33 +462,60 @@ class CPUAdam(AsyncResource):
         anything is sent.
         """
         bridge = self._check_running()
-        param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, lr)
         key = (group_id, subgroup_id)
         sub = self._subgroups.get(key)
+        register: asyncio.Future[None] | None = None
+        if sub is not None and sub.same(param, grad) and (lr is None or _valid_lr(lr)):
+            param_t = sub.param  # the steady state: nothing to check, nothing to copy
+        else:
+            param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, lr)
+            sub, register = self._prepare(bridge, key, sub, param_t, grad_t)
+        step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
+        kind = StepKind.ROLLBACK if rollback else StepKind.STEP
+        pending = _Pending(group_id, subgroup_id, kind, param_t, register)
+        subgroup = sub
+        bridge.send_callback(
+            AdamOp.STEP, step, lambda done, error: self._on_done(pending, subgroup, done, error)
+        )
+        sub.in_flight += 1
+        self._pending.add(pending)
+
+    def _prepare(
+        self,
+        bridge: Bridge,
+        key: tuple[int, int],
+        sub: _SubGroup | None,
+        param_t: torch.Tensor,
+        grad_t: torch.Tensor,
+    ) -> tuple[_SubGroup, asyncio.Future[None] | None]:
+        """Register a new sub-group, or copy a caller's other grad into the registered one."""
+        group_id, subgroup_id = key
         register: asyncio.Future[None] | None = None
         if sub is None:
             self._share(param_t, grad_t)
             register = self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
             sub = self._subgroups[key]
-        elif not _same_memory(sub.grad, grad_t):
+        elif not sub.is_grad(grad_t):
             if sub.in_flight:
                 raise OptimizerError(
                     f"sub-group {subgroup_id} of group {group_id} has a step in flight; pass "
                     "its registered grad tensor, or wait for the result before passing another"
                 )
-            sub.grad.copy_(grad_t)
-        step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
-        future: asyncio.Future[Done] = bridge.send(AdamOp.STEP, step)
-        kind = StepKind.ROLLBACK if rollback else StepKind.STEP
-        pending = _Pending(group_id, subgroup_id, kind, param_t, future, register)
-        sub.in_flight += 1
-        self._pending.add(pending)
-        future.add_done_callback(lambda _: self._on_done(pending, sub))
+            sub.grad_buffer.copy_(grad_t)
+        return sub, register
 
     # -- results -------------------------------------------------------------------------
 
-    def _on_done(self, pending: _Pending, sub: _SubGroup) -> None:
-        _mark_retrieved(pending.future)  # raised by results()/drain(), or dropped by aclose()
+    def _on_done(
+        self, pending: _Pending, sub: _SubGroup, done: object, error: BaseException | None
+    ) -> None:
+        # The outcome is raised by results()/drain(), or dropped by aclose().
+        if error is not None:
+            pending.error = error
+        elif isinstance(done, Done):
+            pending.done = done
+        else:
+            pending.error = OptimizerError(f"the worker answered a step with {done!r}")
         sub.in_flight -= 1
         self._pending.discard(pending)
         self._completed.append(pending)

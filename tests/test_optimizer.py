@@ -196,6 +196,18 @@ async def test_grad_other_than_registered_is_copied_when_idle() -> None:
         assert p[0].item() < 1.0
 
 
+async def test_a_grad_repointed_after_registration_is_copied_into_the_shared_buffer() -> None:
+    async with CPUAdam([{"lr": 0.1}], backend="torch", worker_cores=None) as opt:
+        p, g = torch.zeros(8), torch.ones(8)
+        opt.submit(0, 0, p, g)
+        first = (await opt.drain())[0].param.clone()
+        g.set_(torch.full((8,), -1.0))  # the caller's grad object now points elsewhere
+        opt.submit(0, 0, p, g)
+        await opt.drain()
+        # The worker saw the -1 gradient (copied into the registered buffer): p moved back up.
+        assert torch.all(p > first)
+
+
 async def test_bad_input_raises_before_anything_is_sent() -> None:
     async with CPUAdam([{"lr": 0.1}, {"lr": 0.2}], backend="torch", worker_cores=None) as opt:
         p, g = torch.ones(16), torch.ones(16)
@@ -224,6 +236,12 @@ async def test_bad_input_raises_before_anything_is_sent() -> None:
             opt.submit(0, 0, torch.ones(32), torch.ones(32))
         assert opt.outstanding == 1
         await opt.drain()
+        with pytest.raises(aoffload.OptimizerError, match="lr"):
+            opt.submit(0, 0, p, g, lr=-1.0)  # the registered tensors take a fast path
+        p.set_(torch.ones(16))  # the same object, re-pointed at other memory
+        with pytest.raises(aoffload.OptimizerError, match="registered on its first submit"):
+            opt.submit(0, 0, p, g)
+        assert opt.outstanding == 0
     with pytest.raises(aoffload.OptimizerError):
         CPUAdam([{"lr": 0.1, "amsgrad": True}])
     with pytest.raises(aoffload.OptimizerError):
