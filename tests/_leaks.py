@@ -8,22 +8,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, ...), or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def child_pids() -> set[int]:
     """Live children of this process (zombies excluded)."""
     pids: set[int] = set()
+    listed = False
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         try:
             text = (task / "children").read_text()
         except OSError:
             continue
+        listed = True
         pids.update(int(pid) for pid in text.split())
+    if not listed:  # kernels without .../children (gVisor): find children by their ppid
+        me = str(os.getpid())
+        for entry in Path("/proc").iterdir():
+            fields = _stat(entry.name) if entry.name.isdigit() else None
+            if fields is not None and fields[1] == me:
+                pids.add(int(entry.name))
     alive = set()
     for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z":
             alive.add(pid)
     return alive
 
