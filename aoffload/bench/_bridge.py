@@ -26,6 +26,8 @@ def _plain_echo(conn: Connection) -> None:
             message = conn.recv()
         except EOFError:
             return
+        if isinstance(message, float):
+            time.sleep(message)  # a request that takes this long in the worker
         conn.send(message)
 
 
@@ -74,6 +76,65 @@ async def _thread_bridged_pipe_round_trip(requests: int, reps: int) -> list[floa
         finally:
             parent.close()
             await loop.run_in_executor(executor, process.join, 10)
+
+
+_BURST, _WORK = 16, 0.0007  # 16 pipelined requests of 0.7 ms each: an optimizer pipeline
+
+
+async def _thread_reader_burst(reps: int) -> list[float]:
+    """The design the bridge replaced: a reader thread blocked in recv() hands each reply
+    to the loop with call_soon_threadsafe. Returns trainer CPU per reply (ms)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_plain_echo, args=(child,), daemon=True)
+    loop = asyncio.get_running_loop()
+    waiting: list[asyncio.Future[object]] = []
+
+    def deliver(message: object) -> None:
+        waiting.pop(0).set_result(message)
+
+    def read() -> None:
+        while True:
+            try:
+                message = parent.recv()
+            except (EOFError, OSError):
+                return
+            loop.call_soon_threadsafe(deliver, message)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        await loop.run_in_executor(executor, process.start)
+        child.close()
+        reader = loop.run_in_executor(executor, read)
+        try:
+            samples = []
+            for rep in range(reps + 1):
+                started = time.process_time()
+                futures = [loop.create_future() for _ in range(_BURST)]
+                waiting.extend(futures)
+                for _ in range(_BURST):
+                    parent.send(_WORK)
+                await asyncio.gather(*futures)
+                if rep:
+                    samples.append((time.process_time() - started) / _BURST * 1e3)
+            return samples
+        finally:
+            # The reader is blocked in recv(): end the worker so that recv() sees EOF.
+            process.terminate()
+            await loop.run_in_executor(None, process.join, 10)
+            await reader
+            parent.close()
+
+
+async def _bridge_burst(reps: int) -> list[float]:
+    """Trainer CPU per reply (ms) for the same burst through the bridge."""
+    async with Bridge(TARGET, name="bench-echo") as bridge:
+        samples = []
+        for rep in range(reps + 1):
+            started = time.process_time()
+            await asyncio.gather(*(bridge.send(EchoOp.SLEEP, _WORK) for _ in range(_BURST)))
+            if rep:
+                samples.append((time.process_time() - started) / _BURST * 1e3)
+        return samples
 
 
 async def _bridge_round_trip(requests: int, reps: int) -> list[float]:
@@ -150,6 +211,23 @@ def run(report: Report, *, quick: bool) -> None:
             )
         report.ratio(SECTION, f"aoffload bridge ({name}) / plain blocking pipe", ours, baseline)
         report.ratio(SECTION, f"aoffload bridge ({name}) / run_in_executor pipe", ours, floor)
+        progress(f"bridge: trainer CPU per reply on {name}")
+        burst = f"trainer CPU per reply ({_BURST} pipelined {_WORK * 1e3:.1f} ms requests)"
+        bursts = 10 if quick else 50
+        with asyncio.Runner(loop_factory=factory) as runner:
+            thread = report.add(
+                SECTION,
+                f"reader thread + call_soon_threadsafe ({name})",
+                burst,
+                "ms",
+                runner.run(_thread_reader_burst(bursts)),
+            )
+            ours = report.add(
+                SECTION, f"aoffload bridge ({name})", burst, "ms", runner.run(_bridge_burst(bursts))
+            )
+        report.ratio(
+            SECTION, f"CPU per reply: aoffload bridge / reader thread ({name})", ours, thread
+        )
     hold, kills = (256 << 20, 3) if quick else (2 << 30, 10)
     progress(f"bridge: death detection, worker holding {hold >> 20} MiB, {kills} kills")
     samples = asyncio.run(_death_detection(hold, kills))
