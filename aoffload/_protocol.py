@@ -28,9 +28,9 @@ __all__ = [
 class Wire:
     """Base of wire messages: pickled as the class and its field values.
 
-    A frozen, slotted dataclass otherwise unpickles through a generated
-    ``__setstate__`` that sets each field in turn; on the optimizer's per-step path
-    this halves the cost of each message at both ends.
+    A frozen, slotted dataclass otherwise pickles its state as a dict and unpickles it
+    through a generated ``__setstate__`` that sets each field in turn; on the
+    optimizer's per-step path this takes 25-40% off each message's cost at both ends.
     """
 
     __slots__ = ()
