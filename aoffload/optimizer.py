@@ -153,10 +153,8 @@ class _SubGroup:
         return (
             param is self.param
             and grad is self.grad
-            and self.param.data_ptr() == self.param_ptr
-            and self.grad.data_ptr() == self.grad_ptr
-            and self.param.numel() == self.numel
-            and self.grad.numel() == self.numel
+            and self.is_param(self.param)
+            and self.is_grad(self.grad)
         )
 
     def is_param(self, param: torch.Tensor) -> bool:
