@@ -16,7 +16,7 @@ from ._errors import RemoteError as RemoteError
 from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
-from ._runner import run as run
+from ._runtime.loops import run as run
 from .checkpoint import CheckpointEngine as CheckpointEngine
 from .checkpoint import CommitResult as CommitResult
 from .checkpoint import load_checkpoint as load_checkpoint

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
-import random
 import signal
-import struct
-import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import aoffload
-from aoffload._bridge import Bridge, WorkerState, _Frames
-from aoffload._echo import TARGET, EchoConfig, EchoOp
+from aoffload._runtime.bridge import Bridge
+from aoffload._runtime.resource import State
 
 from ._leaks import Snapshot, child_pids
 from .conftest import LoopBlockGuard
+from .services.echo import (
+    TARGET,
+    Alloc,
+    Echo,
+    EchoConfig,
+    Exit,
+    IgnoreTerm,
+    Log,
+    Pid,
+    Print,
+    Raise,
+    Sleep,
+)
 
 
 def echo(**kwargs: object) -> Bridge:
@@ -28,19 +39,19 @@ def echo(**kwargs: object) -> Bridge:
 async def test_round_trips_typed_values() -> None:
     async with echo() as bridge:
         assert bridge.pid is not None
-        assert await bridge.request(EchoOp.PID) == bridge.pid
+        assert await bridge.request(Pid()) == bridge.pid
         for value in (None, 1, "text", [1, 2.5, ("a", b"b")], {"k": {"nested": True}}):
-            assert await bridge.request(EchoOp.ECHO, value) == value
-        futures = [bridge.send(EchoOp.ECHO, i) for i in range(50)]
+            assert await bridge.request(Echo(value)) == value
+        futures = [bridge.call(Echo(i)) for i in range(50)]
         assert await asyncio.gather(*futures) == list(range(50))
     assert bridge.pid is None
-    assert bridge.state is WorkerState.CLOSED
+    assert bridge.state is State.CLOSED
 
 
 async def test_replies_larger_than_the_pipe_arrive_whole() -> None:
     payloads = [os.urandom(size) for size in (0, 1, 4096, 70_000, 3 << 20, 17)]
     async with echo() as bridge:
-        futures = [bridge.send(EchoOp.ECHO, payload) for payload in payloads]
+        futures = [bridge.call(Echo(payload)) for payload in payloads]
         assert await asyncio.gather(*futures) == payloads
 
 
@@ -51,61 +62,67 @@ async def test_send_callback_gets_the_value_the_remote_error_and_the_death() -> 
         outcomes.append((value, error))
 
     async with echo() as bridge:
-        bridge.send_callback(EchoOp.ECHO, "value", record)
-        bridge.send_callback(EchoOp.RAISE, "boom", record)
-        assert await bridge.request(EchoOp.ECHO, None) is None  # replies arrive in order
+        bridge.call_with_callback(Echo("value"), record)
+        bridge.call_with_callback(Raise("boom"), record)
+        assert await bridge.request(Echo(None)) is None  # replies arrive in order
         assert outcomes[0] == ("value", None)
         assert isinstance(outcomes[1][1], aoffload.RemoteError)
         pid = bridge.pid
         assert pid is not None
-        bridge.send_callback(EchoOp.SLEEP, 30, record)
+        bridge.call_with_callback(Sleep(30), record)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(aoffload.WorkerDiedError):
-            await bridge.request(EchoOp.ECHO, None)
+            await bridge.request(Echo(None))
         assert isinstance(outcomes[2][1], aoffload.WorkerDiedError)
         assert bridge.outstanding == 0
 
 
-def test_frames_split_a_connection_stream_read_in_arbitrary_chunks() -> None:
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    bodies = [os.urandom(size) for size in (0, 1, 5, 70_000, 200_000, 3, 16_385)]
+class _NoFdWatchingLoop(asyncio.SelectorEventLoop):
+    """A loop that cannot watch file descriptors, as the proactor loop cannot."""
 
-    def write() -> None:
-        for body in bodies:
-            writer.send_bytes(body)
-        writer.close()
+    def add_reader(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("this loop cannot watch file descriptors")
 
-    thread = threading.Thread(target=write)
-    thread.start()
-    frames, received, chunks = _Frames(), [], random.Random(0)
-    while chunk := os.read(reader.fileno(), chunks.randint(1, 9000)):
-        received += [bytes(body) for body in frames.feed(chunk)]
-    thread.join()
-    reader.close()
-    assert received == bodies
-    # A frame over 2 GiB has a -1 header then an 8-byte size; fed one byte at a time.
-    long_form = struct.pack("!i", -1) + struct.pack("!Q", 3) + b"abc"
-    assert [bytes(b) for i in range(len(long_form)) for b in frames.feed(long_form[i : i + 1])] == [
-        b"abc"
-    ]
+    def add_writer(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("this loop cannot watch file descriptors")
+
+
+def test_works_on_a_loop_without_add_reader(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with echo() as bridge:
+            assert await asyncio.gather(*(bridge.call(Echo(i)) for i in range(20))) == list(
+                range(20)
+            )
+        async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
+            await engine.save({"w": torch.arange(4.0)}, "m.pt", tag="t")
+            await engine.commit("t")
+            assert torch.equal((await engine.load("m.pt"))["w"], torch.arange(4.0))
+        param, grad = torch.zeros(8), torch.ones(8)
+        async with aoffload.CPUAdam([{"lr": 0.1}], backend="torch", worker_cores=None) as opt:
+            opt.submit(0, 0, param, grad)
+            assert [r.step for r in await opt.drain()] == [1]
+        assert param.lt(0).all()
+
+    with asyncio.Runner(loop_factory=_NoFdWatchingLoop) as runner:
+        runner.run(main())
 
 
 async def test_remote_error_keeps_the_worker_serving() -> None:
     async with echo() as bridge:
         with pytest.raises(aoffload.RemoteError) as info:
-            await bridge.request(EchoOp.RAISE, "boom")
+            await bridge.request(Raise("boom"))
         assert info.value.remote_type == "builtins.ValueError"
         assert "boom" in str(info.value)
         assert "ValueError: boom" in info.value.remote_traceback
         assert isinstance(info.value, aoffload.WorkerError)
-        assert await bridge.request(EchoOp.ECHO, "still here") == "still here"
+        assert await bridge.request(Echo("still here")) == "still here"
 
 
 async def test_sigkill_mid_request_fails_pending_and_later_requests() -> None:
     async with echo() as bridge:
         pid = bridge.pid
         assert pid is not None
-        pending = [bridge.send(EchoOp.SLEEP, 30) for _ in range(3)]
+        pending = [bridge.call(Sleep(30)) for _ in range(3)]
         os.kill(pid, signal.SIGKILL)
         for future in pending:
             with pytest.raises(aoffload.WorkerDiedError) as info:
@@ -113,19 +130,19 @@ async def test_sigkill_mid_request_fails_pending_and_later_requests() -> None:
             assert info.value.exitcode == -signal.SIGKILL
             assert info.value.pid == pid
         with pytest.raises(aoffload.WorkerDiedError):
-            await bridge.request(EchoOp.ECHO, 1)
+            await bridge.request(Echo(1))
         with pytest.raises(aoffload.WorkerDiedError):
-            bridge.send(EchoOp.ECHO, 1)
+            bridge.call(Echo(1))
         assert bridge.pid is None
     assert pid not in child_pids()
 
 
 async def test_death_of_a_worker_holding_memory_is_seen_promptly() -> None:
     async with echo() as bridge:
-        assert await bridge.request(EchoOp.ALLOC, 256 << 20) == 256 << 20
+        assert await bridge.request(Alloc(256 << 20)) == 256 << 20
         pid = bridge.pid
         assert pid is not None
-        pending = bridge.send(EchoOp.SLEEP, 60)
+        pending = bridge.call(Sleep(60))
         started = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(aoffload.WorkerDiedError):
@@ -137,7 +154,7 @@ async def test_death_of_a_worker_holding_memory_is_seen_promptly() -> None:
 async def test_worker_exiting_on_its_own_reports_its_exit_code() -> None:
     async with echo() as bridge:
         with pytest.raises(aoffload.WorkerDiedError) as info:
-            await bridge.request(EchoOp.EXIT, 3)
+            await bridge.request(Exit(3))
         assert info.value.exitcode == 3
         assert "exited with code 3" in str(info.value)
 
@@ -164,19 +181,19 @@ async def test_startup_timeout_kills_the_worker() -> None:
     with pytest.raises(aoffload.WorkerStartupError, match=r"did not become ready within 0\.5 s"):
         await bridge.start()
     assert child_pids() == before
-    assert bridge.state is WorkerState.CLOSED
+    assert bridge.state is State.CLOSED
 
 
 async def test_cancelling_a_wait_abandons_only_that_wait() -> None:
     async with echo() as bridge:
-        task = asyncio.create_task(bridge.request(EchoOp.SLEEP, 0.3))
+        task = asyncio.create_task(bridge.request(Sleep(0.3)))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # The late reply of the sleep must not be routed to the next request.
-        assert await bridge.request(EchoOp.ECHO, "next") == "next"
-        assert await bridge.request(EchoOp.ECHO, "again") == "again"
+        assert await bridge.request(Echo("next")) == "next"
+        assert await bridge.request(Echo("again")) == "again"
         assert bridge.outstanding == 0
 
 
@@ -184,18 +201,18 @@ async def test_asyncio_timeout_around_a_request() -> None:
     async with echo() as bridge:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
-                await bridge.request(EchoOp.SLEEP, 0.5)
-        assert await bridge.request(EchoOp.ECHO, 42) == 42
+                await bridge.request(Sleep(0.5))
+        assert await bridge.request(Echo(42)) == 42
 
 
 async def test_use_before_start_and_after_close_is_a_closed_error() -> None:
     bridge = echo()
     with pytest.raises(aoffload.ClosedError):
-        bridge.send(EchoOp.ECHO, 1)
+        bridge.call(Echo(1))
     async with bridge:
         pass
     with pytest.raises(aoffload.ClosedError):
-        await bridge.request(EchoOp.ECHO, 1)
+        await bridge.request(Echo(1))
     await bridge.aclose()  # idempotent
     with pytest.raises(aoffload.ClosedError):
         await bridge.start()
@@ -204,8 +221,8 @@ async def test_use_before_start_and_after_close_is_a_closed_error() -> None:
 async def test_close_drains_requests_already_sent() -> None:
     bridge = echo()
     await bridge.start()
-    futures = [bridge.send(EchoOp.SLEEP, 0.02) for _ in range(5)]
-    last = bridge.send(EchoOp.ECHO, "last")
+    futures = [bridge.call(Sleep(0.02)) for _ in range(5)]
+    last = bridge.call(Echo("last"))
     await bridge.aclose()
     assert [f.result() for f in futures] == [None] * 5
     assert last.result() == "last"
@@ -216,8 +233,8 @@ async def test_shutdown_ladder_terminates_then_kills_a_stuck_worker() -> None:
     bridge = Bridge(TARGET, name="stuck", close_timeout=0.3)
     await bridge.start()
     pid = bridge.pid
-    await bridge.request(EchoOp.IGNORE_TERM)
-    stuck = bridge.send(EchoOp.SLEEP, 60)
+    await bridge.request(IgnoreTerm())
+    stuck = bridge.call(Sleep(60))
     started = time.perf_counter()
     await bridge.aclose()
     assert time.perf_counter() - started < 15
@@ -231,13 +248,13 @@ async def test_cancelled_close_still_leaves_nothing_behind() -> None:
     bridge = Bridge(TARGET, name="cancelled-close", close_timeout=5.0)
     await bridge.start()
     pid = bridge.pid
-    bridge.send(EchoOp.SLEEP, 60)
+    bridge.call(Sleep(60))
     closing = asyncio.create_task(bridge.aclose())
     await asyncio.sleep(0.05)
     closing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await closing
-    assert bridge.state is WorkerState.CLOSED
+    assert bridge.state is State.CLOSED
     for _ in range(50):  # SIGKILL was sent; the reader thread reaps the worker shortly
         if pid not in child_pids():
             break
@@ -249,8 +266,8 @@ async def test_stray_print_in_worker_goes_to_stderr_not_the_protocol(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     async with echo() as bridge:
-        await bridge.request(EchoOp.PRINT, "stray-worker-print")
-        assert await bridge.request(EchoOp.ECHO, "intact") == "intact"
+        await bridge.request(Print("stray-worker-print"))
+        assert await bridge.request(Echo("intact")) == "intact"
     captured = capfd.readouterr()
     assert "stray-worker-print" not in captured.out
     assert "stray-worker-print" in captured.err
@@ -260,26 +277,26 @@ async def test_worker_log_records_reach_the_trainer_logger(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with echo() as bridge:
-        await bridge.request(EchoOp.LOG, "from the worker")
-        await bridge.request(EchoOp.ECHO, None)  # the log record was sent before this reply
-    records = [r for r in caplog.records if r.name == "aoffload._echo"]
+        await bridge.request(Log("from the worker"))
+        await bridge.request(Echo(None))  # the log record was sent before this reply
+    records = [r for r in caplog.records if r.name == "tests.services.echo"]
     assert records
     assert "from the worker" in records[0].getMessage()
 
 
 async def test_repeated_open_close_leaks_nothing() -> None:
     async with echo() as bridge:  # warm-up: first-use imports and caches
-        await bridge.request(EchoOp.ECHO, 0)
+        await bridge.request(Echo(0))
     before = Snapshot.take()
     for i in range(5):
         async with echo() as bridge:
-            assert await bridge.request(EchoOp.ECHO, i) == i
+            assert await bridge.request(Echo(i)) == i
     async with echo() as bridge:
         pid = bridge.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(aoffload.WorkerDiedError):
-            await bridge.request(EchoOp.SLEEP, 10)
+            await bridge.request(Sleep(10))
     leaks = Snapshot.take().leaked_since(before)
     assert not leaks, leaks
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from aoffload import ClosedError, RemoteError, WorkerDiedError
-from aoffload._portal import Portal
+from aoffload._runtime.threads import Portal
 from tests._leaks import Snapshot
 
 

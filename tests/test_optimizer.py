@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import dataclasses
 import os
 import pickle
 import signal
@@ -14,9 +14,8 @@ import torch
 
 import aoffload
 from aoffload import CPUAdam, StepKind, StepResult
-from aoffload._adam_worker import Step
-from aoffload._compat import timeout
-from aoffload.optimizer import split_cores
+from aoffload.optimizer._affinity import split_cores
+from aoffload.optimizer._calls import Step
 
 from . import _adam_schedule as sched
 from ._leaks import Snapshot, child_pids
@@ -97,6 +96,8 @@ async def steps_then_rollback(opt: CPUAdam, exact_check: bool) -> None:
     assert (step.step, rollback.step) == (4, 3)
     if exact_check:
         assert torch.equal(a, before)  # bit-exact, not just close
+    else:
+        torch.testing.assert_close(a, before, rtol=1e-4, atol=1e-5)  # close, if not exact
     ga.copy_(torch.randn(300)), gb.copy_(ga)
     opt.submit(0, 0, a, ga)
     opt.submit(0, 1, b, gb)
@@ -127,11 +128,9 @@ async def test_algebraic_rollback_is_close_but_not_exact() -> None:
 
 
 async def test_param_updated_in_place_and_step_payload_holds_no_tensors() -> None:
-    fields = {f.name: f.type for f in dataclasses.fields(Step)}
-    assert fields == {
-        "group_id": "int", "subgroup_id": "int", "lr": "float | None", "rollback": "bool",
-    }  # fmt: skip
-    assert len(pickle.dumps(Step(0, 7, 1e-3, False))) < 200
+    payload = pickle.dumps(Step(0, 7, 1e-3, False))
+    assert len(payload) < 200
+    assert b"torch" not in payload  # ids and scalars only: no tensor crosses the pipe
     param = torch.nn.Parameter(torch.ones(1000))
     view = param.data[10:20]  # another view of the same storage sees the update too
     grad = torch.ones(1000)
@@ -303,7 +302,7 @@ async def test_cancelled_wait_leaves_the_optimizer_usable() -> None:
         for _ in range(20):
             opt.submit(0, 0, p, g)
         with pytest.raises(TimeoutError):
-            async with timeout(0.001):
+            async with asyncio.timeout(0.001):
                 await opt.drain()
         assert opt.outstanding == 20
         assert [r.step for r in await opt.drain()] == list(range(1, 21))

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from .._bridge import Bridge
-from .._echo import TARGET, EchoOp
 from .._errors import WorkerDiedError
+from .._runtime.bridge import Bridge
 from ._common import Report, progress
+from ._echo import TARGET, Alloc, Echo, Sleep
 
 SECTION = "bridge"
 
@@ -131,7 +131,7 @@ async def _bridge_burst(reps: int) -> list[float]:
         samples = []
         for rep in range(reps + 1):
             started = time.process_time()
-            await asyncio.gather(*(bridge.send(EchoOp.SLEEP, _WORK) for _ in range(_BURST)))
+            await asyncio.gather(*(bridge.call(Sleep(_WORK)) for _ in range(_BURST)))
             if rep:
                 samples.append((time.process_time() - started) / _BURST * 1e3)
         return samples
@@ -139,12 +139,12 @@ async def _bridge_burst(reps: int) -> list[float]:
 
 async def _bridge_round_trip(requests: int, reps: int) -> list[float]:
     async with Bridge(TARGET, name="bench-echo") as bridge:
-        await bridge.request(EchoOp.ECHO, 0)
+        await bridge.request(Echo(0))
         samples = []
         for _ in range(reps):
             started = time.perf_counter()
             for i in range(requests):
-                await bridge.request(EchoOp.ECHO, i)
+                await bridge.request(Echo(i))
             samples.append((time.perf_counter() - started) / requests * 1e3)
         return samples
 
@@ -153,8 +153,8 @@ async def _death_detection(hold_bytes: int, reps: int) -> list[float]:
     samples = []
     for _ in range(reps):
         async with Bridge(TARGET, name="bench-victim") as bridge:
-            await bridge.request(EchoOp.ALLOC, hold_bytes)
-            pending = bridge.send(EchoOp.SLEEP, 60)
+            await bridge.request(Alloc(hold_bytes))
+            pending = bridge.call(Sleep(60))
             pid = bridge.pid
             if pid is None:
                 raise RuntimeError("the benchmark worker is not running")

@@ -1,11 +1,4 @@
-"""The CPU optimizer's worker: wire messages, the service, and its two backends.
-
-The trainer registers each sub-group once (:class:`Register` carries the param and
-grad tensors, whose storage is already in shared memory, so the worker maps the very
-same bytes); every later :class:`Step` carries only ids, the learning rate and a flag.
-The update is written into the shared param in place.
-
-Backends:
+"""The optimizer worker's two backends, both stepping one sub-group at a time.
 
 * ``deepspeed``: DeepSpeed's ``DeepSpeedCPUAdam`` built exactly like DeepSpeed's own
   SuperOffload worker builds it, driven through ``step_subgroup`` / ``rollback_subgroup``,
@@ -17,97 +10,22 @@ Backends:
 
 from __future__ import annotations
 
-import enum
-import logging
 import math
-import os
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._protocol import Wire
+from ._calls import GroupConfig
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["AdamConfig", "AdamOp", "Done", "GroupConfig", "Info", "Register", "Step"]
+__all__ = ["Backup", "DeepSpeedBackend", "NoStepError", "TorchBackend"]
 
 
-class AdamOp(enum.Enum):
-    """Operations of the optimizer worker."""
-
-    INFO = "info"  # -> Info
-    REGISTER = "register"  # Register -> None
-    STEP = "step"  # Step -> Done
-
-
-@dataclass(frozen=True, slots=True)
-class GroupConfig:
-    """Hyper-parameters of one parameter group."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    bias_correction: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class AdamConfig:
-    """How the worker starts: its backend, groups, cores and thread count."""
-
-    groups: tuple[GroupConfig, ...]
-    backend: str  # "auto" | "deepspeed" | "torch"
-    exact_rollback: bool
-    cores: tuple[int, ...] | None  # CPU affinity of the worker; None leaves it as inherited
-    threads: int | None  # torch (and OpenMP) threads of the worker; None leaves the default
-
-
-@dataclass(frozen=True, slots=True)
-class Info:
-    """Reply to :attr:`AdamOp.INFO`."""
-
-    backend: str
-    threads: int
-    cores: tuple[int, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class Register:
-    """Trainer -> worker, once per sub-group: the shared param and grad tensors."""
-
-    group_id: int
-    subgroup_id: int
-    param: torch.Tensor
-    grad: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class Step(Wire):
-    """Trainer -> worker, per step: ids and scalars only, never tensors."""
-
-    group_id: int
-    subgroup_id: int
-    lr: float | None
-    rollback: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Done(Wire):
-    """Reply to a :class:`Step`: the sub-group's step count after it, and the compute time."""
-
-    step: int
-    seconds: float
+class NoStepError(RuntimeError):
+    """A rollback of a sub-group that has no step to undo."""
 
 
 # torch's fused AdamW kernel (what `torch.optim.AdamW(fused=True)` runs on the CPU), if present.
 _FUSED_ADAMW: Any = getattr(torch, "_fused_adamw_", None)
-
-
-class _NoStepError(RuntimeError):
-    """A rollback of a sub-group that has no step to undo."""
 
 
 class _Moments:
@@ -123,7 +41,7 @@ class _Moments:
         self.step = 0
 
 
-class _Backup:
+class Backup:
     """Pre-step copy of one sub-group (exact rollback)."""
 
     __slots__ = ("exp_avg", "exp_avg_sq", "param", "step", "valid")
@@ -198,7 +116,7 @@ class TorchBackend:
     def rollback(self, group_id: int, subgroup_id: int) -> int:
         state = self._subgroups[group_id, subgroup_id]
         if state.step <= 0 or state.exp_avg is None or state.exp_avg_sq is None:
-            raise _NoStepError(
+            raise NoStepError(
                 f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
             )
         group, lr = self._groups[group_id], self._lr[group_id]
@@ -221,7 +139,7 @@ class TorchBackend:
         state.step -= 1
         return state.step
 
-    def snapshot(self, group_id: int, subgroup_id: int, backup: _Backup) -> None:
+    def snapshot(self, group_id: int, subgroup_id: int, backup: Backup) -> None:
         state = self._subgroups[group_id, subgroup_id]
         backup.param.copy_(state.param)
         backup.step = state.step
@@ -229,7 +147,7 @@ class TorchBackend:
             backup.exp_avg.copy_(state.exp_avg)
             backup.exp_avg_sq.copy_(state.exp_avg_sq)
 
-    def restore(self, group_id: int, subgroup_id: int, backup: _Backup) -> int:
+    def restore(self, group_id: int, subgroup_id: int, backup: Backup) -> int:
         state = self._subgroups[group_id, subgroup_id]
         state.param.copy_(backup.param)
         state.step = backup.step
@@ -309,12 +227,12 @@ class DeepSpeedBackend:
     def rollback(self, group_id: int, subgroup_id: int) -> int:
         state = self._optimizer.state.get((group_id, subgroup_id))
         if not state or state.get("step", 0) <= 0:
-            raise _NoStepError(
+            raise NoStepError(
                 f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
             )
         return self._run(group_id, subgroup_id, rollback=True)
 
-    def snapshot(self, group_id: int, subgroup_id: int, backup: _Backup) -> None:
+    def snapshot(self, group_id: int, subgroup_id: int, backup: Backup) -> None:
         backup.param.copy_(self._params[group_id, subgroup_id].data.view(-1))
         state = self._optimizer.state.get((group_id, subgroup_id))
         backup.step = int(state["step"]) if state else 0
@@ -322,7 +240,7 @@ class DeepSpeedBackend:
             backup.exp_avg.copy_(state["exp_avg"].view(-1))
             backup.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
 
-    def restore(self, group_id: int, subgroup_id: int, backup: _Backup) -> int:
+    def restore(self, group_id: int, subgroup_id: int, backup: Backup) -> int:
         self._params[group_id, subgroup_id].data.view(-1).copy_(backup.param)
         if backup.step == 0:
             self._optimizer.state.pop((group_id, subgroup_id), None)
@@ -332,94 +250,3 @@ class DeepSpeedBackend:
         state["exp_avg_sq"].view(-1).copy_(backup.exp_avg_sq)
         state["step"] = backup.step
         return backup.step
-
-
-class AdamService:
-    """Serves :class:`AdamOp` requests with one backend."""
-
-    def __init__(self, config: AdamConfig) -> None:
-        if config.cores is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, config.cores)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        self._cores = config.cores
-        self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
-        self._exact = config.exact_rollback
-        self._backups: dict[tuple[int, int], _Backup] = {}
-        self._registered: set[tuple[int, int]] = set()
-        logger.info(
-            "CPUAdam worker: %s backend, %d threads, cores %s",
-            self._backend.name,
-            torch.get_num_threads(),
-            "inherited" if config.cores is None else list(config.cores),
-        )
-
-    @staticmethod
-    def _make_backend(config: AdamConfig) -> TorchBackend | DeepSpeedBackend:
-        if config.backend == "torch":
-            return TorchBackend(config.groups)
-        if config.backend == "deepspeed":
-            return DeepSpeedBackend(config.groups)
-        try:
-            return DeepSpeedBackend(config.groups)
-        except Exception as exc:  # noqa: BLE001 - "auto" falls back, and says why
-            logger.info("DeepSpeed's CPU Adam is unavailable (%s); using the torch backend", exc)
-            return TorchBackend(config.groups)
-
-    def handle(self, op: enum.Enum, payload: object) -> object:
-        """Run one :class:`AdamOp`."""
-        if op is AdamOp.STEP and isinstance(payload, Step):
-            return self._step(payload)
-        if op is AdamOp.REGISTER and isinstance(payload, Register):
-            key = (payload.group_id, payload.subgroup_id)
-            self._backend.register(*key, payload.param, payload.grad)
-            self._registered.add(key)
-            if self._exact:
-                self._backups[key] = _Backup(payload.param.numel())
-            return None
-        if op is AdamOp.INFO:
-            return Info(self._backend.name, torch.get_num_threads(), self._cores)
-        raise ValueError(f"the optimizer worker has no operation {op!r} for {type(payload)!r}")
-
-    def _step(self, request: Step) -> Done:
-        key = (request.group_id, request.subgroup_id)
-        if key not in self._registered:
-            raise KeyError(
-                f"sub-group {request.subgroup_id} of group {request.group_id} is not registered"
-            )
-        started = time.perf_counter()
-        if request.lr is not None:
-            self._backend.set_lr(request.group_id, request.lr)
-        backup = self._backups.get(key)
-        if not request.rollback:
-            if backup is not None:
-                self._backend.snapshot(*key, backup)
-                backup.valid = True
-            step = self._backend.step(*key)
-        elif backup is not None:
-            if not backup.valid:
-                raise _NoStepError(
-                    f"cannot roll back sub-group {request.subgroup_id} of group "
-                    f"{request.group_id}: no step since its last rollback (exact rollback "
-                    "keeps one pre-step copy)"
-                )
-            step = self._backend.restore(*key, backup)
-            backup.valid = False
-        else:
-            step = self._backend.rollback(*key)
-        return Done(step, time.perf_counter() - started)
-
-    def close(self) -> None:
-        """Drop the tensors (the shared memory is released with the last reference)."""
-        self._backups.clear()
-        self._registered.clear()
-
-
-def create(config: object) -> AdamService:
-    """Worker-side factory named by ``"aoffload._adam_worker:create"``."""
-    if not isinstance(config, AdamConfig):
-        raise TypeError(f"expected an AdamConfig, got {type(config)!r}")
-    return AdamService(config)
-
-
-TARGET = f"{__name__}:create"

@@ -25,59 +25,35 @@ is an error).
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
 import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from ._adam_worker import TARGET, AdamConfig, AdamOp, Done, GroupConfig, Info, Register, Step
+from .._errors import ClosedError, OptimizerError
+from .._runtime.bridge import Bridge
+from .._runtime.resource import AsyncResource
+from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from ._affinity import Affinity, split_cores
-from ._bridge import AsyncResource, Bridge, DaemonThreadExecutor
-from ._errors import ClosedError, OptimizerError
+from ._calls import GROUP_KEYS, AdamConfig, GetInfo, GroupConfig, Register, Step
+from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
+from ._service import TARGET
 
-__all__ = ["CPUAdam", "StepKind", "StepResult", "StepResults", "split_cores"]
+__all__ = ["CPUAdam"]
 
 logger = logging.getLogger(__name__)
 
-_GROUP_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "params"}
 _BACKENDS = ("auto", "deepspeed", "torch")
 
 
-class StepKind(enum.Enum):
-    """What a finished :class:`StepResult` did."""
-
-    STEP = "step"
-    ROLLBACK = "rollback"
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """One finished sub-group operation, as yielded by :meth:`CPUAdam.results`.
-
-    ``step`` is the sub-group's step count after the operation, ``param`` the caller's
-    param tensor (already updated in place) and ``seconds`` the worker's compute time.
-    """
-
-    group_id: int
-    subgroup_id: int
-    kind: StepKind
-    step: int
-    param: torch.Tensor = field(repr=False)
-    seconds: float
-
-
 def _group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
-    unknown = set(group) - _GROUP_KEYS
+    unknown = set(group) - set(GROUP_KEYS) - {"params"}
     if unknown:
         raise OptimizerError(
             f"param group {index} has unknown keys {sorted(unknown)}; "
-            f"supported: {sorted(_GROUP_KEYS - {'params'})} ('params' is ignored)"
+            f"supported: {sorted(GROUP_KEYS)} ('params' is ignored)"
         )
     if group.get("amsgrad", False):
         raise OptimizerError(f"param group {index}: amsgrad is not supported (DeepSpeed has none)")
@@ -128,11 +104,6 @@ def _nothing() -> None:
     return None
 
 
-def _mark_retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
 class _SubGroup:
     """A registered sub-group: the caller's tensors and the shared memory the worker maps."""
 
@@ -164,62 +135,6 @@ class _SubGroup:
         return grad.data_ptr() == self.grad_ptr and grad.numel() == self.numel
 
 
-class _Pending:
-    """One submitted step; its reply callback records the outcome."""
-
-    __slots__ = ("done", "error", "group_id", "kind", "param", "register", "subgroup")
-
-    def __init__(
-        self,
-        group_id: int,
-        subgroup: int,
-        kind: StepKind,
-        param: torch.Tensor,
-        register: asyncio.Future[None] | None,
-    ) -> None:
-        self.group_id = group_id
-        self.subgroup = subgroup
-        self.kind = kind
-        self.param = param
-        self.register = register
-        self.done: Done | None = None
-        self.error: BaseException | None = None
-
-    def result(self) -> StepResult:
-        if self.register is not None:
-            self.register.result()  # a failed registration is the reason this step failed
-        if self.error is not None:
-            raise self.error
-        if self.done is None:
-            raise RuntimeError("a step result was read before it arrived")  # a bug of ours
-        done = self.done
-        return StepResult(
-            self.group_id, self.subgroup, self.kind, done.step, self.param, done.seconds
-        )
-
-
-class StepResults:
-    """Async iterator over finished steps in completion order (from :meth:`CPUAdam.results`).
-
-    It holds no resources: ``break`` leaves the remaining results for a later
-    ``results()`` or ``drain()``. It ends when no step is outstanding.
-    """
-
-    def __init__(self, optimizer: CPUAdam) -> None:
-        self._optimizer = optimizer
-
-    def __aiter__(self) -> StepResults:
-        """Return this iterator."""
-        return self
-
-    async def __anext__(self) -> StepResult:
-        """The next finished step; raises that step's error if it failed."""
-        pending = await self._optimizer._next_completed()
-        if pending is None:
-            raise StopAsyncIteration
-        return pending.result()
-
-
 class CPUAdam(AsyncResource):
     """Adam(W) on the CPU in a worker process, one sub-group at a time (SuperOffload-style).
 
@@ -237,6 +152,8 @@ class CPUAdam(AsyncResource):
     support) nothing is pinned; on 2 CPUs each side gets one. ``worker_cores=None``
     leaves affinity and thread counts alone (for hosts that manage them).
     """
+
+    _what = "this CPUAdam"
 
     def __init__(
         self,
@@ -256,6 +173,7 @@ class CPUAdam(AsyncResource):
             raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
             raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+        super().__init__()
         self._groups = tuple(_group_config(i, group) for i, group in enumerate(param_groups))
         self._requested_backend = backend
         self._worker_cores = worker_cores
@@ -267,11 +185,7 @@ class CPUAdam(AsyncResource):
         self._affinity = Affinity()
         self._executor: DaemonThreadExecutor | None = None
         self._subgroups: dict[tuple[int, int], _SubGroup] = {}
-        self._pending: set[_Pending] = set()
-        self._completed: collections.deque[_Pending] = collections.deque()
-        self._waiters: set[asyncio.Future[None]] = set()
-        self._idle_waiters: set[asyncio.Future[None]] = set()
-        self._closed = False
+        self._outcomes = Outcomes()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -288,12 +202,10 @@ class CPUAdam(AsyncResource):
     @property
     def outstanding(self) -> int:
         """Submitted steps whose result has not been consumed yet."""
-        return len(self._pending) + len(self._completed)
+        return self._outcomes.outstanding
 
-    async def start(self) -> None:
+    async def _open(self) -> None:
         """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
-        if self._bridge is not None or self._closed:
-            raise ClosedError("this CPUAdam was already started; create a new one")
         original: set[int] | None = None
         trainer: list[int] = []
         worker: list[int] | None = None
@@ -316,11 +228,7 @@ class CPUAdam(AsyncResource):
             close_timeout=self._close_timeout,
         )
         await bridge.start()
-        try:
-            info: Info = await bridge.request(AdamOp.INFO)
-        except BaseException:
-            await bridge.aclose()
-            raise
+        info = await bridge.request(GetInfo())
         self._backend = info.backend
         if split and original is not None:
             self._affinity.apply(original, trainer)
@@ -333,16 +241,14 @@ class CPUAdam(AsyncResource):
             trainer if split else "unpinned",
         )
 
-    async def aclose(self) -> None:
-        """Stop the worker after the steps already sent; idempotent.
+    async def _close(self) -> None:
+        """Stop the worker after the steps already sent.
 
         Results not consumed yet are dropped. The trainer's CPU affinity and torch thread
         count are restored. No process or shared-memory segment outlives it (the params
         stay in shared memory as long as the caller holds them).
         """
-        if self._closed:
-            return
-        self._closed = True
+        self._outcomes.closed = True
         try:
             if self._bridge is not None:
                 await self._bridge.aclose()
@@ -352,17 +258,16 @@ class CPUAdam(AsyncResource):
                 # Wait out a registration copy still running, then stop the idle thread.
                 await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
                 self._executor.shutdown(wait=True)
-            self._wake()
+            self._outcomes.wake()
             self._subgroups.clear()
 
     # -- submitting ----------------------------------------------------------------------
 
-    def _check_running(self) -> Bridge:
-        if self._bridge is None or self._closed:
-            raise ClosedError(
-                "CPUAdam is not running; use it inside `async with` and before `aclose()`"
-            )
-        self._bridge.check()
+    def _running_bridge(self) -> Bridge:
+        self.check_running()
+        if self._bridge is None:
+            raise ClosedError("CPUAdam was never started")
+        self._bridge.check_running()
         return self._bridge
 
     def _validate(
@@ -415,9 +320,8 @@ class CPUAdam(AsyncResource):
         grad: torch.Tensor,
     ) -> asyncio.Future[None]:
         self._subgroups[group_id, subgroup_id] = _SubGroup(param, grad)
-        payload = Register(group_id, subgroup_id, param.detach(), grad.detach())
-        future: asyncio.Future[None] = bridge.send(AdamOp.REGISTER, payload)
-        future.add_done_callback(_mark_retrieved)
+        future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
+        future.add_done_callback(mark_retrieved)  # a failed register fails its first step
         return future
 
     async def register(
@@ -428,7 +332,7 @@ class CPUAdam(AsyncResource):
         Optional: the first :meth:`submit` of a sub-group does the same on the loop (a
         copy of both tensors, which blocks the loop for large ones).
         """
-        bridge = self._check_running()
+        self._running_bridge()
         param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, None)
         if (group_id, subgroup_id) in self._subgroups:
             return
@@ -437,7 +341,7 @@ class CPUAdam(AsyncResource):
         await asyncio.get_running_loop().run_in_executor(
             self._executor, self._share, param_t, grad_t
         )
-        bridge = self._check_running()
+        bridge = self._running_bridge()
         if (group_id, subgroup_id) not in self._subgroups:
             await self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
 
@@ -459,7 +363,7 @@ class CPUAdam(AsyncResource):
         rate from this step on. Raises :class:`OptimizerError` for bad input, before
         anything is sent.
         """
-        bridge = self._check_running()
+        bridge = self._running_bridge()
         key = (group_id, subgroup_id)
         sub = self._subgroups.get(key)
         register: asyncio.Future[None] | None = None
@@ -470,13 +374,16 @@ class CPUAdam(AsyncResource):
             sub, register = self._prepare(bridge, key, sub, param_t, grad_t)
         step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
         kind = StepKind.ROLLBACK if rollback else StepKind.STEP
-        pending = _Pending(group_id, subgroup_id, kind, param_t, register)
-        subgroup = sub
-        bridge.send_callback(
-            AdamOp.STEP, step, lambda done, error: self._on_done(pending, subgroup, done, error)
-        )
+        pending = Pending(group_id, subgroup_id, kind, param_t, register)
+        subgroup, outcomes = sub, self._outcomes
+
+        def on_done(done: object, error: BaseException | None) -> None:
+            subgroup.in_flight -= 1
+            outcomes.finish(pending, done, error)
+
+        bridge.call_with_callback(step, on_done)
         sub.in_flight += 1
-        self._pending.add(pending)
+        outcomes.pending.add(pending)
 
     def _prepare(
         self,
@@ -504,54 +411,13 @@ class CPUAdam(AsyncResource):
 
     # -- results -------------------------------------------------------------------------
 
-    def _on_done(
-        self, pending: _Pending, sub: _SubGroup, done: object, error: BaseException | None
-    ) -> None:
-        # The outcome is raised by results()/drain(), or dropped by aclose().
-        if error is not None:
-            pending.error = error
-        elif isinstance(done, Done):
-            pending.done = done
-        else:
-            pending.error = OptimizerError(f"the worker answered a step with {done!r}")
-        sub.in_flight -= 1
-        self._pending.discard(pending)
-        self._completed.append(pending)
-        self._wake()
-
-    def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        if not self._pending or self._closed:
-            for waiter in self._idle_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-
-    async def _wait_for_change(self, *, idle: bool = False) -> None:
-        # Each wait has its own future, so a cancelled wait never disturbs another.
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self._idle_waiters if idle else self._waiters
-        waiters.add(waiter)
-        try:
-            await waiter
-        finally:
-            waiters.discard(waiter)
-
-    async def _next_completed(self) -> _Pending | None:
-        while not self._completed:
-            if not self._pending:
-                return None
-            await self._wait_for_change()
-        return self._completed.popleft()
-
     def results(self) -> StepResults:
         """Iterate finished steps in completion order; ends when none is outstanding.
 
         A failed step raises :class:`~aoffload.RemoteError` for that step (iteration may
         go on); a dead worker raises :class:`~aoffload.WorkerDiedError`.
         """
-        return StepResults(self)
+        return StepResults(self._outcomes)
 
     async def drain(self) -> list[StepResult]:
         """Wait for every outstanding step and return their results in completion order.
@@ -559,16 +425,4 @@ class CPUAdam(AsyncResource):
         If any step failed, the first error is raised once all of them have finished.
         Cancelling the wait consumes nothing: a later ``drain()`` returns every result.
         """
-        while self._pending:
-            await self._wait_for_change(idle=True)  # one wake-up when the last step is done
-        finished, self._completed = list(self._completed), collections.deque()
-        results: list[StepResult] = []
-        first_error: BaseException | None = None
-        for pending in finished:
-            try:
-                results.append(pending.result())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest finished
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+        return await self._outcomes.drain()

@@ -14,13 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import enum
 import io
 import logging
 import mmap
 import os
 import pickle
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,35 +28,25 @@ import numpy as np
 import torch
 import xxhash
 
-from ._bridge import DaemonThreadExecutor
+from .._runtime.protocol import Call
+from .._runtime.serve import Handler, Service
+from .._runtime.threads import DaemonThreadExecutor
 
 __all__ = [
-    "MANIFEST",
+    "TARGET",
     "FileRecord",
     "MapSegment",
     "SyncTree",
     "TensorRecord",
     "WriteFile",
     "WriterConfig",
-    "WriterOp",
     "create",
 ]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = ".aoffload-manifest.json"
-"""The manifest's file name inside a tag directory; written last."""
-
 _BOUNCE_BYTES = 16 << 20
 _DIRECT_ALIGN = 4096
-
-
-class WriterOp(enum.Enum):
-    """Operations of the writer service."""
-
-    MAP = "map"  # MapSegment -> None
-    WRITE = "write"  # WriteFile -> FileRecord
-    SYNC = "sync"  # SyncTree -> None: fsync every directory of a tag's temporary tree
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +58,7 @@ class WriterConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MapSegment:
+class MapSegment(Call[None]):
     """Map the staging segment at ``path`` (``size`` bytes); later writes name it by path."""
 
     path: str
@@ -87,16 +77,6 @@ class TensorRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteFile:
-    """Write ``path`` from the ``skeleton`` (pickle with persistent ids) and ``tensors``."""
-
-    path: str
-    segment: str
-    skeleton: bytes
-    tensors: tuple[TensorRecord, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class FileRecord:
     """A written (and, if durable, fsynced) file: its size, xxh3-64 and write time."""
 
@@ -107,7 +87,24 @@ class FileRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class SyncTree:
+class WriteFile(Call[FileRecord]):
+    """Write ``path`` from the skeleton and the tensors staged in ``segment``.
+
+    The skeleton (the state pickled with a persistent id per tensor) lies at
+    ``skeleton_offset``, ``skeleton_nbytes`` long: it holds every non-tensor value of
+    the state, so it can be large, and like the tensors it travels through staging
+    memory, never through the pipe.
+    """
+
+    path: str
+    segment: str
+    skeleton_offset: int
+    skeleton_nbytes: int
+    tensors: tuple[TensorRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncTree(Call[None]):
     """Fsync ``root`` and every directory below it."""
 
     root: str
@@ -214,8 +211,8 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[int(pid)]
 
 
-class WriterService:
-    """Serves :class:`WriterOp` requests, one at a time, in order."""
+class WriterService(Service):
+    """Serves the writer's calls, one at a time, in order."""
 
     def __init__(self, config: WriterConfig) -> None:
         self._config = config
@@ -224,17 +221,9 @@ class WriterService:
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")
         torch.serialization.set_crc32_options(False)
 
-    def handle(self, op: enum.Enum, payload: object) -> object:
-        """Run one operation."""
-        if op is WriterOp.MAP and isinstance(payload, MapSegment):
-            self._map(payload)
-            return None
-        if op is WriterOp.WRITE and isinstance(payload, WriteFile):
-            return self._write(payload)
-        if op is WriterOp.SYNC and isinstance(payload, SyncTree):
-            self._sync(payload)
-            return None
-        raise ValueError(f"the writer has no operation {op!r} for {type(payload).__name__}")
+    def handlers(self) -> Mapping[type[Call[Any]], Handler]:
+        """Map a segment, write a file, fsync a tree."""
+        return {MapSegment: self._map, WriteFile: self._write, SyncTree: self._sync}
 
     def _map(self, message: MapSegment) -> None:
         fd = os.open(message.path, os.O_RDWR)
@@ -255,7 +244,9 @@ class WriterService:
         started = time.perf_counter()
         _, array = self._segments[message.segment]
         tensors = [self._tensor(array, record) for record in message.tensors]
-        state = _Unpickler(message.skeleton, tensors).load()
+        start = message.skeleton_offset
+        skeleton = array[start : start + message.skeleton_nbytes].tobytes()
+        state = _Unpickler(skeleton, tensors).load()
         os.makedirs(os.path.dirname(message.path), exist_ok=True)
         fd, bounce = self._open(message.path)
         sink = _Sink(fd, bounce, self._io_thread)
@@ -316,7 +307,7 @@ class WriterService:
 
 
 def create(config: object) -> WriterService:
-    """Worker-side factory named by ``"aoffload._writer:create"``."""
+    """Worker-side factory named by :data:`TARGET`."""
     if not isinstance(config, WriterConfig):
         raise TypeError(f"the writer needs a WriterConfig, not {type(config).__name__}")
     return WriterService(config)

@@ -4,11 +4,13 @@
 ``"module:factory"`` string *inside* its own error handling, so an import failure
 reaches the trainer as :class:`~aoffload.WorkerStartupError` with the worker's
 traceback instead of a bare exit code.
+
+A :class:`Service` dispatches each request on its type: a subclass lists its handlers
+in :meth:`Service.handlers`, one per :class:`~aoffload._runtime.protocol.Call` type.
 """
 
 from __future__ import annotations
 
-import enum
 import importlib
 import logging
 import os
@@ -16,18 +18,24 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import Any
 
-from ._protocol import Control, Failure, LogEvent, Ready, Reply, Request, StartupFailed
+from .protocol import Call, Failure, LogEvent, Ready, Reply, Request, Shutdown, StartupFailed
+
+__all__ = ["Handler", "Service", "worker_main"]
+
+Handler = Callable[[Any], object]
+"""Runs one request of the type it is registered for and returns its (picklable) result."""
 
 
-class Service(Protocol):
+class Service:
     """What a worker process serves. Built in the worker by ``factory(config)``."""
 
-    def handle(self, op: enum.Enum, payload: object) -> object:
-        """Run one operation and return its (picklable) result; raise to fail it."""
+    def handlers(self) -> Mapping[type[Call[Any]], Handler]:
+        """The handler of each request type this service answers."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Release the service's resources; called once, on shutdown."""
@@ -82,7 +90,7 @@ def _own_stdio() -> None:
 def worker_main(
     target: str, config: object, requests: Connection, replies: Connection, log_level: int
 ) -> None:
-    """Spawn target: build the service, say READY, serve until SHUTDOWN or the trainer's end."""
+    """Spawn target: build the service, say READY, serve until Shutdown or the trainer's end."""
     _own_stdio()
     sender = _Sender(replies)
     handler = _ForwardingHandler(sender)
@@ -94,27 +102,32 @@ def worker_main(
         module_name, _, attr = target.partition(":")
         factory: Callable[[object], Service] = getattr(importlib.import_module(module_name), attr)
         service = factory(config)
+        handlers = dict(service.handlers())
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, then the worker exits
         sender.send(StartupFailed(*_failure_fields(exc)))
         return
     sender.send(Ready(os.getpid()))
     try:
-        _serve(service, requests, sender)
+        _serve(handlers, requests, sender)
     finally:
         service.close()
 
 
-def _serve(service: Service, requests: Connection, sender: _Sender) -> None:
+def _serve(handlers: dict[type[Call[Any]], Handler], requests: Connection, sender: _Sender) -> None:
     while True:
         try:
             request: Request = requests.recv()
         except EOFError:
             return  # the trainer is gone: nobody is left to serve
-        if request.op is Control.SHUTDOWN:
+        call = request.call
+        if type(call) is Shutdown:
             sender.send(Reply(request.id))
             return
         try:
-            value = service.handle(request.op, request.payload)
+            handle = handlers.get(type(call))
+            if handle is None:
+                raise TypeError(f"this worker serves no {type(call).__qualname__} requests")
+            value = handle(call)
         except Exception as exc:  # noqa: BLE001 - sent back as RemoteError; the worker goes on
             sender.send(Failure(request.id, *_failure_fields(exc)))
             continue

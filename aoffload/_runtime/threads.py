@@ -1,4 +1,10 @@
-"""A private event loop on a daemon thread, for synchronous callers of the async objects.
+"""Threads the library owns: per-worker executors, and the portal of the sync adapters.
+
+:class:`DaemonThreadExecutor` runs calls in order on one daemon thread (each worker has
+its own, and so do the checkpoint engine's I/O and copy work). :func:`mark_retrieved`
+is the one place that marks a future's exception as seen.
+
+A portal is a private event loop on a daemon thread, for synchronous callers of the async objects.
 
 DeepSpeed calls its checkpoint engine and its SuperOffload optimizer from plain synchronous
 code. :class:`Portal` owns one event loop running on its own thread; the sync methods of the
@@ -12,25 +18,74 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from ._errors import ClosedError
+from .._errors import ClosedError
+from .loops import new_event_loop
+
+__all__ = ["DaemonThreadExecutor", "Portal", "mark_retrieved"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    # Same choice as aoffload.run: uvloop when installed, else asyncio's default loop.
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+def mark_retrieved(future: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
+    """Mark a finished future's exception as seen; whoever awaits it later still gets it.
+
+    Use it as a done-callback on futures the library may abandon, so asyncio never logs
+    "exception was never retrieved" for an error that is reported some other way.
+    """
+    if not future.cancelled():
+        future.exception()
+
+
+class DaemonThreadExecutor(concurrent.futures.Executor):
+    """A single daemon thread running submitted calls in order.
+
+    Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the
+    interpreter joins at exit, a thread blocked in ``recv()`` here can never hang
+    interpreter shutdown, even if a user forgot ``aclose()``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._work: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[_T]:
+        """Queue ``fn(*args, **kwargs)`` behind the calls already submitted."""
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        self._work.put((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop after the calls already queued; ``wait`` joins the thread."""
+        if not self._shutdown:
+            self._shutdown = True
+            self._work.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+                future.set_exception(exc)
 
 
 class Portal:
@@ -38,7 +93,7 @@ class Portal:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._loop = _new_loop()
+        self._loop = new_event_loop()
         self._closed = False
         self._lock = threading.Lock()
         started = threading.Event()

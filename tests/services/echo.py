@@ -1,0 +1,116 @@
+"""The diagnostic worker the bridge tests talk to: the benchmark's echo service plus faults.
+
+It is a real worker served by the real bridge, so the tests that use it exercise the
+real spawn, pipes, reads, death detection and shutdown. Faults are injected through
+its calls and its start configuration, never by mocking the bridge.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aoffload._runtime.protocol import Call
+from aoffload._runtime.serve import Handler
+from aoffload.bench._echo import Alloc, Echo, EchoService, Sleep
+
+__all__ = [
+    "TARGET",
+    "Alloc",
+    "Echo",
+    "EchoConfig",
+    "Exit",
+    "IgnoreTerm",
+    "Log",
+    "Pid",
+    "Print",
+    "Raise",
+    "Sleep",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Raise(Call[None]):
+    """Raise a ValueError with ``message`` in the worker."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Print(Call[None]):
+    """Print ``text`` to the worker's stdout (a stray print the protocol must survive)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log(Call[None]):
+    """Log ``text`` at WARNING in the worker."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exit(Call[None]):
+    """Exit the worker at once with ``code``, without replying."""
+
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pid(Call[int]):
+    """The worker's pid."""
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoreTerm(Call[None]):
+    """Ignore SIGTERM from now on (tests the shutdown ladder)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EchoConfig:
+    """How the echo worker starts: ``fail_on_start`` raises during construction."""
+
+    fail_on_start: bool = False
+    start_delay: float = 0.0
+
+
+class FaultyEchoService(EchoService):
+    """The echo service, plus calls that fail, print, log, exit and ignore SIGTERM."""
+
+    def __init__(self, config: EchoConfig) -> None:
+        super().__init__()
+        if config.start_delay:
+            time.sleep(config.start_delay)
+        if config.fail_on_start:
+            raise RuntimeError("echo service configured to fail on start")
+
+    def handlers(self) -> Mapping[type[Call[Any]], Handler]:
+        return {
+            **super().handlers(),
+            Raise: self._raise,
+            Print: lambda call: print(call.text),
+            Log: lambda call: logger.warning("%s", call.text),
+            Exit: lambda call: os._exit(call.code),
+            Pid: lambda call: os.getpid(),
+            IgnoreTerm: lambda call: signal.signal(signal.SIGTERM, signal.SIG_IGN) and None,
+        }
+
+    @staticmethod
+    def _raise(call: Raise) -> None:
+        raise ValueError(call.message)
+
+
+def create(config: object) -> FaultyEchoService:
+    """Worker-side factory named by :data:`TARGET`."""
+    return FaultyEchoService(config if isinstance(config, EchoConfig) else EchoConfig())
+
+
+TARGET = f"{__name__}:create"
