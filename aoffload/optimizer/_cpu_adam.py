@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -37,9 +36,10 @@ from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from ._affinity import Affinity, split_cores
-from ._calls import GROUP_KEYS, AdamConfig, GetInfo, GroupConfig, Register, Step
+from ._calls import AdamConfig, GetInfo, Register, Step
 from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
 from ._service import TARGET
+from ._subgroups import SubGroup, group_config, share, valid_lr, validate
 
 __all__ = ["CPUAdam"]
 
@@ -48,91 +48,8 @@ logger = logging.getLogger(__name__)
 _BACKENDS = ("auto", "deepspeed", "torch")
 
 
-def _group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
-    unknown = set(group) - set(GROUP_KEYS) - {"params"}
-    if unknown:
-        raise OptimizerError(
-            f"param group {index} has unknown keys {sorted(unknown)}; "
-            f"supported: {sorted(GROUP_KEYS)} ('params' is ignored)"
-        )
-    if group.get("amsgrad", False):
-        raise OptimizerError(f"param group {index}: amsgrad is not supported (DeepSpeed has none)")
-    betas = group.get("betas", (0.9, 0.999))
-    try:
-        beta1, beta2 = (float(b) for b in betas)  # type: ignore[attr-defined]
-        config = GroupConfig(
-            lr=float(group.get("lr", 1e-3)),  # type: ignore[arg-type]
-            beta1=beta1,
-            beta2=beta2,
-            eps=float(group.get("eps", 1e-8)),  # type: ignore[arg-type]
-            weight_decay=float(group.get("weight_decay", 0.0)),  # type: ignore[arg-type]
-            bias_correction=bool(group.get("bias_correction", True)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise OptimizerError(f"param group {index}: {exc}") from exc
-    if not (0.0 <= beta1 < 1.0 and 0.0 < beta2 < 1.0):
-        raise OptimizerError(f"param group {index}: betas must lie in [0, 1), got {betas!r}")
-    if config.lr < 0 or config.eps <= 0 or config.weight_decay < 0:
-        raise OptimizerError(
-            f"param group {index}: lr, eps and weight_decay must be >= 0 (eps > 0)"
-        )
-    return config
-
-
-def _check_tensor(role: str, tensor: object, where: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise OptimizerError(f"{where}: {role} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise OptimizerError(
-            f"{where}: {role} is on {tensor.device}; CPUAdam steps CPU tensors (copy it to "
-            "the CPU master copy first)"
-        )
-    if tensor.dtype != torch.float32:
-        raise OptimizerError(f"{where}: {role} is {tensor.dtype}; CPUAdam needs torch.float32")
-    if not tensor.is_contiguous():
-        raise OptimizerError(f"{where}: {role} is not contiguous; pass `.contiguous()` once")
-    if tensor.numel() == 0:
-        raise OptimizerError(f"{where}: {role} is empty")
-    return tensor
-
-
-def _valid_lr(lr: object) -> bool:
-    return isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0
-
-
 def _nothing() -> None:
     return None
-
-
-class _SubGroup:
-    """A registered sub-group: the caller's tensors and the shared memory the worker maps."""
-
-    __slots__ = ("grad", "grad_buffer", "grad_ptr", "in_flight", "numel", "param", "param_ptr")
-
-    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        self.param = param
-        self.grad = grad
-        # An alias of the shared grad memory that the caller cannot re-point (`set_()`).
-        self.grad_buffer = grad.detach()
-        self.param_ptr = param.data_ptr()
-        self.grad_ptr = grad.data_ptr()
-        self.numel = param.numel()
-        self.in_flight = 0
-
-    def same(self, param: object, grad: object) -> bool:
-        """The registered tensors themselves, still on their registered memory (fast path)."""
-        return (
-            param is self.param
-            and grad is self.grad
-            and self.is_param(self.param)
-            and self.is_grad(self.grad)
-        )
-
-    def is_param(self, param: torch.Tensor) -> bool:
-        return param.data_ptr() == self.param_ptr and param.numel() == self.numel
-
-    def is_grad(self, grad: torch.Tensor) -> bool:
-        return grad.data_ptr() == self.grad_ptr and grad.numel() == self.numel
 
 
 class CPUAdam(AsyncResource):
@@ -145,12 +62,17 @@ class CPUAdam(AsyncResource):
     logged and exposed as :attr:`backend`). See the module docstring for rollback and
     the zero-copy contract.
 
-    ``worker_cores`` is the fraction of this process's allowed CPUs given to the worker
-    (see :func:`split_cores`); the trainer's threads are pinned to the rest and its torch
-    thread count lowered to match, and both are restored by :meth:`aclose`. The worker's
-    torch/OpenMP thread count is set to its share. With one allowed CPU (or no affinity
-    support) nothing is pinned; on 2 CPUs each side gets one. ``worker_cores=None``
-    leaves affinity and thread counts alone (for hosts that manage them).
+    ``worker_cores=None`` (the default) changes nothing in the trainer: the worker
+    inherits the process's CPUs and torch's default thread count, and the OS shares the
+    cores. ``worker_cores=f`` (as DeepSpeed's ``cpuadam_cores_perc``) is an explicit
+    request to split: the worker gets that fraction of this process's allowed CPUs and a
+    matching torch thread count, and the trainer's threads are pinned to the rest with
+    its torch thread count lowered to match; both are restored by :meth:`aclose`. With
+    one allowed CPU (or no affinity support) nothing is pinned. The default is None
+    because it was measured faster wherever the trainer idles while it waits for
+    results (on a 2-core host the split leaves the optimizer one core, ~2x slower:
+    ``python -m aoffload.bench optimizer``); split on hosts with cores to spare when
+    the trainer computes while the optimizer steps.
     """
 
     _what = "this CPUAdam"
@@ -160,7 +82,7 @@ class CPUAdam(AsyncResource):
         param_groups: Sequence[Mapping[str, object]],
         *,
         backend: str = "auto",
-        worker_cores: float | None = 0.8,
+        worker_cores: float | None = None,
         exact_rollback: bool = False,
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
@@ -174,7 +96,7 @@ class CPUAdam(AsyncResource):
         if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
             raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
         super().__init__()
-        self._groups = tuple(_group_config(i, group) for i, group in enumerate(param_groups))
+        self._groups = tuple(group_config(i, group) for i, group in enumerate(param_groups))
         self._requested_backend = backend
         self._worker_cores = worker_cores
         self._exact = exact_rollback
@@ -184,7 +106,7 @@ class CPUAdam(AsyncResource):
         self._backend: str | None = None
         self._affinity = Affinity()
         self._executor: DaemonThreadExecutor | None = None
-        self._subgroups: dict[tuple[int, int], _SubGroup] = {}
+        self._subgroups: dict[tuple[int, int], SubGroup] = {}
         self._outcomes = Outcomes()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -270,47 +192,6 @@ class CPUAdam(AsyncResource):
         self._bridge.check_running()
         return self._bridge
 
-    def _validate(
-        self, group_id: object, subgroup_id: object, param: object, grad: object, lr: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(group_id, int) or not 0 <= group_id < len(self._groups):
-            raise OptimizerError(
-                f"unknown param group id {group_id!r}: this CPUAdam has groups "
-                f"0..{len(self._groups) - 1}"
-            )
-        if not isinstance(subgroup_id, int):
-            raise OptimizerError(f"subgroup_id must be an int, got {type(subgroup_id).__name__}")
-        where = f"sub-group {subgroup_id} of group {group_id}"
-        param_t = _check_tensor("param", param, where)
-        grad_t = _check_tensor("grad", grad, where)
-        if grad_t.shape != param_t.shape:
-            raise OptimizerError(
-                f"{where}: grad shape {tuple(grad_t.shape)} != param shape {tuple(param_t.shape)}"
-            )
-        if lr is not None and not _valid_lr(lr):
-            raise OptimizerError(f"{where}: lr must be a finite float >= 0 or None, got {lr!r}")
-        registered = self._subgroups.get((group_id, subgroup_id))
-        if registered is not None and not registered.is_param(param_t):
-            raise OptimizerError(
-                f"{where}: param is not the memory registered on its first submit (a "
-                f"tensor of {registered.numel} elements; re-pointing it with `.set_()` or "
-                "`.data =` counts as another tensor): the worker updates that memory in "
-                "place. Copy new values into it (`registered.copy_(new)`), or use a new "
-                "sub-group id"
-            )
-        return param_t, grad_t
-
-    @staticmethod
-    def _share(param: torch.Tensor, grad: torch.Tensor) -> None:
-        try:
-            param.share_memory_()  # type: ignore[no-untyped-call]
-            grad.share_memory_()  # type: ignore[no-untyped-call]
-        except RuntimeError as exc:
-            raise OptimizerError(
-                f"could not move the tensors to shared memory ({exc}); pass tensors that own "
-                "their memory (not pinned, not from numpy/from_blob)"
-            ) from exc
-
     def _send_register(
         self,
         bridge: Bridge,
@@ -319,7 +200,7 @@ class CPUAdam(AsyncResource):
         param: torch.Tensor,
         grad: torch.Tensor,
     ) -> asyncio.Future[None]:
-        self._subgroups[group_id, subgroup_id] = _SubGroup(param, grad)
+        self._subgroups[group_id, subgroup_id] = SubGroup(param, grad)
         future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
         future.add_done_callback(mark_retrieved)  # a failed register fails its first step
         return future
@@ -333,14 +214,14 @@ class CPUAdam(AsyncResource):
         copy of both tensors, which blocks the loop for large ones).
         """
         self._running_bridge()
-        param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, None)
+        param_t, grad_t = validate(
+            len(self._groups), self._subgroups, group_id, subgroup_id, param, grad, None
+        )
         if (group_id, subgroup_id) in self._subgroups:
             return
         if self._executor is None:
             self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._share, param_t, grad_t
-        )
+        await asyncio.get_running_loop().run_in_executor(self._executor, share, param_t, grad_t)
         bridge = self._running_bridge()
         if (group_id, subgroup_id) not in self._subgroups:
             await self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
@@ -367,10 +248,12 @@ class CPUAdam(AsyncResource):
         key = (group_id, subgroup_id)
         sub = self._subgroups.get(key)
         register: asyncio.Future[None] | None = None
-        if sub is not None and sub.same(param, grad) and (lr is None or _valid_lr(lr)):
+        if sub is not None and sub.same(param, grad) and (lr is None or valid_lr(lr)):
             param_t = sub.param  # the steady state: nothing to check, nothing to copy
         else:
-            param_t, grad_t = self._validate(group_id, subgroup_id, param, grad, lr)
+            param_t, grad_t = validate(
+                len(self._groups), self._subgroups, group_id, subgroup_id, param, grad, lr
+            )
             sub, register = self._prepare(bridge, key, sub, param_t, grad_t)
         step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
         kind = StepKind.ROLLBACK if rollback else StepKind.STEP
@@ -389,15 +272,15 @@ class CPUAdam(AsyncResource):
         self,
         bridge: Bridge,
         key: tuple[int, int],
-        sub: _SubGroup | None,
+        sub: SubGroup | None,
         param_t: torch.Tensor,
         grad_t: torch.Tensor,
-    ) -> tuple[_SubGroup, asyncio.Future[None] | None]:
+    ) -> tuple[SubGroup, asyncio.Future[None] | None]:
         """Register a new sub-group, or copy a caller's other grad into the registered one."""
         group_id, subgroup_id = key
         register: asyncio.Future[None] | None = None
         if sub is None:
-            self._share(param_t, grad_t)
+            share(param_t, grad_t)
             register = self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
             sub = self._subgroups[key]
         elif not sub.is_grad(grad_t):
