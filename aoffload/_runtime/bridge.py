@@ -1,45 +1,30 @@
 """The process bridge: the one place that spawns workers and talks to them.
 
-A :class:`Bridge` owns one spawned worker process and everything around it:
+A :class:`Bridge` owns one worker (:class:`~.process.WorkerProcess`: the spawned
+process, its pipes, the reader thread that reads replies through
+``loop.run_in_executor`` and the sender thread for large requests) and everything the
+trainer sees of it:
 
-* a *local* ``spawn`` context (the global start method is never touched) and two
-  one-way pipes; the parent closes its copies of the child's ends right after
-  ``start()``, so the worker's death shows up as EOF at once;
-* one single-thread executor per worker (its *reader*) that spawns the process, then
-  reads replies with blocking ``Connection.recv_bytes()`` calls wrapped in
-  ``loop.run_in_executor``, and finally reaps the process once the pipe reports EOF.
-  Each read takes every reply already waiting (a batch) and unpickles it on that
-  thread, so one wake-up of the loop serves a burst and a large reply never stalls the
-  loop. This needs nothing of the loop but ``run_in_executor``: it runs on asyncio's
-  selector and proactor loops and on uvloop alike. Nothing polls, nothing sleeps;
 * typed calls (:mod:`~aoffload._runtime.protocol`): ``call(WriteFile(...))`` returns a
   ``Future[FileRecord]``; a reply resolves it, a remote exception fails it with
   :class:`RemoteError`, the worker's death fails every pending and later call with
-  :class:`WorkerDiedError`;
-* requests are pickled and written on the loop while they are small; a ``large`` call
-  (and anything queued behind it, to keep the order) is pickled and written on a
-  second thread, the *sender*;
-* the READY handshake under ``start_timeout`` and the shutdown ladder of
-  :meth:`Bridge.aclose`: a :class:`Shutdown` call (queued behind the work already
-  sent, so it drains), a bounded wait, then terminate, then kill.
+  :class:`WorkerDiedError` within milliseconds (EOF on the reply pipe);
+* the READY handshake under ``start_timeout``, and the close of
+  :class:`~.resource.AsyncResource`: a :class:`Shutdown` call (queued behind the work
+  already sent, so it drains), then the process's shutdown ladder (wait, terminate,
+  kill). Pending calls the worker did not answer fail with :class:`ClosedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import fcntl
 import itertools
 import logging
-import multiprocessing
-import pickle
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from .._errors import ClosedError, RemoteError, WorkerDiedError, WorkerStartupError, describe_exit
+from .process import Batch, Unreadable, WorkerProcess
 from .protocol import (
     Call,
     Failure,
@@ -52,8 +37,7 @@ from .protocol import (
     StartupFailed,
 )
 from .resource import AsyncResource, State
-from .serve import worker_main
-from .threads import DaemonThreadExecutor, mark_retrieved
+from .threads import mark_retrieved
 
 __all__ = ["Bridge", "ReplyCallback"]
 
@@ -65,34 +49,6 @@ ReplyCallback = Callable[[R | None, BaseException | None], None]
 """``callback(value, None)`` on a reply, ``callback(None, error)`` on failure, death or close."""
 
 _Waiter = asyncio.Future[Any] | Callable[[Any, BaseException | None], None]
-
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-_PIPE_BYTES = 1 << 20
-_BATCH = 256  # replies read per wake-up of the loop, at most
-_TERMINATE_GRACE = 5.0
-
-
-class _Unreadable:
-    """A reply the trainer could not unpickle (the request it answered can never complete)."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _read_batch(conn: Connection) -> list[Incoming | _Unreadable] | None:
-    """Block for one reply, then take every reply already waiting; ``None`` at EOF."""
-    batch: list[Incoming | _Unreadable] = []
-    try:
-        while True:
-            data = conn.recv_bytes()
-            try:
-                batch.append(pickle.loads(data))
-            except Exception as exc:  # noqa: BLE001 - handled on the loop (the worker is killed)
-                batch.append(_Unreadable(exc))
-            if len(batch) >= _BATCH or not conn.poll(0):
-                return batch
-    except (EOFError, OSError):
-        return batch or None  # replies read before the EOF first; the next read sees it again
 
 
 class Bridge(AsyncResource):
@@ -114,10 +70,8 @@ class Bridge(AsyncResource):
         super().__init__()
         self.name = name
         self._what = f"the {name} worker"
-        self._target = target
-        self._config = config
+        self._worker = WorkerProcess(target, config, name=name, close_timeout=close_timeout)
         self._start_timeout = start_timeout
-        self._close_timeout = close_timeout
         self._ids = itertools.count()
         self._pending: dict[int, _Waiter] = {}
         self._death: WorkerDiedError | None = None
@@ -126,13 +80,6 @@ class Bridge(AsyncResource):
         self._exitcode: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[int] | None = None
-        self._exited: asyncio.Future[int | None] | None = None
-        self._reader: DaemonThreadExecutor | None = None
-        self._sender: DaemonThreadExecutor | None = None
-        self._backlog = 0  # requests queued on the sender thread, not yet written
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._requests: Connection | None = None
-        self._replies: Connection | None = None
 
     # -- introspection -------------------------------------------------------------------
 
@@ -163,36 +110,11 @@ class Bridge(AsyncResource):
         """Spawn the worker and wait (at most ``start_timeout`` s) for its READY message."""
         loop = self._loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        self._exited = loop.create_future()
-        ctx = multiprocessing.get_context("spawn")
-        request_reader, request_writer = ctx.Pipe(duplex=False)
-        reply_reader, reply_writer = ctx.Pipe(duplex=False)
-        for end in (request_writer, reply_reader):
-            try:
-                fcntl.fcntl(end.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
-            except OSError:
-                logger.debug("could not enlarge a pipe of the %s worker", self.name)
-        self._requests, self._replies = request_writer, reply_reader
-        self._process = ctx.Process(
-            target=worker_main,
-            args=(
-                self._target,
-                self._config,
-                request_reader,
-                reply_writer,
-                logging.getLogger("aoffload").getEffectiveLevel(),
-            ),
-            name=f"aoffload-{self.name}",
-            daemon=True,
-        )
-        self._reader = DaemonThreadExecutor(f"aoffload-{self.name}")
-        try:
-            await loop.run_in_executor(self._reader, self._process.start)
-        finally:
-            request_reader.close()
-            reply_writer.close()
-        self._pid = self._process.pid
-        self._read_next()
+        await self._worker.spawn()
+        self._pid = self._worker.pid
+        if self._worker.exited is not None:
+            self._worker.exited.add_done_callback(lambda done: self._on_exit(done.result()))
+        self._worker.read(self._on_batch)
         try:
             async with asyncio.timeout(self._start_timeout):
                 await asyncio.shield(self._ready)
@@ -205,71 +127,15 @@ class Bridge(AsyncResource):
         logger.debug("%s worker ready (pid %s)", self.name, self._pid)
 
     async def _close(self) -> None:
-        """Shutdown (the worker drains what was sent), wait, terminate, kill; then release.
-
-        Pending requests that the worker did not answer fail with :class:`ClosedError`.
-        No process, thread or pipe is left behind.
-        """
-        process, exited = self._process, self._exited
+        """Shutdown (the worker drains what was sent), then the ladder; then release."""
         try:
-            if process is not None and process.pid is not None and exited is not None:
-                if self._serving and self._death is None:
-                    self._post(Shutdown(), None)
-                    await self._wait_exit(exited, process, graceful=True)
-                else:
-                    process.kill()
-                    await self._wait_exit(exited, process, graceful=False)
+            graceful = self._serving and self._death is None
+            if graceful:
+                self._post(Shutdown(), None)
+            await self._worker.stop(graceful=graceful)
         finally:
-            if process is not None and exited is not None and not exited.done():
-                process.kill()  # never leave the worker behind
-            self._release()
-
-    async def _wait_exit(
-        self,
-        exited: asyncio.Future[int | None],
-        process: multiprocessing.process.BaseProcess,
-        *,
-        graceful: bool,
-    ) -> None:
-        ladder: tuple[tuple[Callable[[], None] | None, float], ...] = (
-            (None, self._close_timeout),
-            (process.terminate, _TERMINATE_GRACE),
-            (process.kill, self._close_timeout),
-        )
-        if not graceful:
-            ladder = ((None, self._close_timeout),)  # already killed by the caller
-        for escalate, wait in ladder:
-            if escalate is not None:
-                logger.warning(
-                    "the %s worker (pid %s) has not exited; sending %s",
-                    self.name,
-                    self._pid,
-                    escalate.__name__,
-                )
-                escalate()
-            try:
-                async with asyncio.timeout(wait):
-                    await asyncio.shield(exited)
-                return
-            except TimeoutError:
-                continue
-        logger.error("the %s worker (pid %s) outlived SIGKILL", self.name, self._pid)
-
-    def _release(self) -> None:
-        self._fail_pending(ClosedError(f"the {self.name} worker was closed before it replied"))
-        process, exited = self._process, self._exited
-        if process is not None and exited is not None and exited.done():
-            with contextlib.suppress(ValueError):
-                process.close()  # the two pipe fds multiprocessing keeps per process
-        for conn in (self._requests, self._replies):
-            if conn is not None:
-                conn.close()
-        # Once the exit was seen the reader thread is idle (it reaped the worker): join it.
-        # Otherwise (the worker outlived SIGKILL) it may still block in a read: leave it.
-        reaped = exited is not None and exited.done()
-        for executor in (self._sender, self._reader):
-            if executor is not None:
-                executor.shutdown(wait=reaped)
+            self._fail_pending(ClosedError(f"the {self.name} worker was closed before it replied"))
+            self._worker.release()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -310,96 +176,36 @@ class Bridge(AsyncResource):
         request_id = next(self._ids)
         if waiter is not None:
             self._pending[request_id] = waiter
-        request = Request(request_id, call)
-        if call.large or self._backlog:
-            self._write_later(request)
-            return
+
+        def failed(error: BaseException) -> None:  # a large request could not be written
+            failed_waiter = self._pending.pop(request_id, None)
+            if failed_waiter is not None:
+                self._complete(failed_waiter, None, error)
+
         try:
-            self._write(request)
-        except OSError:
-            pass  # the pipe broke because the worker died: EOF fails the waiter at once
+            self._worker.send(Request(request_id, call), large=call.large, failed=failed)
         except BaseException:
             self._pending.pop(request_id, None)
             raise
 
-    def _write(self, request: Request) -> None:
-        if self._requests is None:
-            raise ClosedError(f"the {self.name} worker was never started")
-        self._requests.send_bytes(ForkingPickler.dumps(request))
+    # -- callbacks on the event loop -----------------------------------------------------
 
-    def _write_later(self, request: Request) -> None:
-        loop = self._loop
-        if loop is None:
-            raise ClosedError(f"the {self.name} worker was never started")
-        if self._sender is None:
-            self._sender = DaemonThreadExecutor(f"aoffload-{self.name}-sender")
-        self._backlog += 1
-        written = self._sender.submit(self._write, request)
-
-        def done(future: concurrent.futures.Future[None]) -> None:
-            loop.call_soon_threadsafe(self._written, request.id, future)
-
-        written.add_done_callback(done)
-
-    def _written(self, request_id: int, future: concurrent.futures.Future[None]) -> None:
-        self._backlog -= 1
-        error = future.exception()
-        if error is None or isinstance(error, OSError):
-            return  # written, or the worker died (EOF fails the waiter)
-        waiter = self._pending.pop(request_id, None)
-        if waiter is not None:
-            self._complete(waiter, None, error)
-
-    # -- reading replies: blocking reads on the reader thread ----------------------------
-
-    def _read_next(self) -> None:
-        loop, reader, replies = self._loop, self._reader, self._replies
-        if loop is None or reader is None or replies is None:
-            return
-        batch = loop.run_in_executor(reader, _read_batch, replies)
-        batch.add_done_callback(self._on_batch)
-
-    def _on_batch(self, future: asyncio.Future[list[Incoming | _Unreadable] | None]) -> None:
-        error = None if future.cancelled() else future.exception()
-        if error is not None:
-            logger.error("reading from the %s worker failed", self.name, exc_info=error)
-        batch = None if future.cancelled() or error is not None else future.result()
-        if batch is None:
-            self._on_eof()
-            return
-        self._read_next()  # the next read blocks on the thread while this batch is handled
+    def _on_batch(self, batch: Batch) -> None:
         for message in batch:
             if isinstance(message, LogEvent):
                 logging.getLogger(message.name).log(
                     message.level, "[%s worker %s] %s", self.name, self._pid, message.message
                 )
-            elif isinstance(message, _Unreadable):
+            elif isinstance(message, Unreadable):
                 logger.error(
                     "could not read a message from the %s worker; killing it, since the "
                     "request it answered can never complete",
                     self.name,
                     exc_info=message.error,
                 )
-                if self._process is not None:
-                    self._process.kill()
+                self._worker.kill()
             else:
                 self._dispatch(message)
-
-    def _on_eof(self) -> None:
-        # The worker's end of the pipe is closed: it exited (or is exiting). Reaping it
-        # blocks for the last moments of its exit, so that runs on the reader thread.
-        process, loop, reader = self._process, self._loop, self._reader
-        if process is None or loop is None or reader is None:
-            return
-        try:
-            reaped = loop.run_in_executor(reader, process.join, self._close_timeout)
-        except RuntimeError:  # the reader was shut down by a close: reap here, it is quick
-            process.join(0)
-            self._on_exit(process.exitcode)
-            return
-        reaped.add_done_callback(lambda _: self._on_exit(process.exitcode))
-
-    # -- callbacks on the event loop -----------------------------------------------------
 
     def _dispatch(self, message: Incoming) -> None:
         if isinstance(message, Ready):
@@ -440,8 +246,6 @@ class Bridge(AsyncResource):
 
     def _on_exit(self, exitcode: int | None) -> None:
         self._exitcode = exitcode
-        if self._exited is not None and not self._exited.done():
-            self._exited.set_result(exitcode)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(
                 WorkerStartupError(

@@ -23,6 +23,7 @@ from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _store
+from ._commit import Catalog, CommitResult
 from ._plan import Plan, copy_into, plan
 from ._staging import Segment, SlotPool
 from ._writer import TARGET, FileRecord, MapSegment, SyncTree, TensorRecord, WriteFile, WriterConfig
@@ -30,35 +31,6 @@ from ._writer import TARGET, FileRecord, MapSegment, SyncTree, TensorRecord, Wri
 __all__ = ["CheckpointEngine", "CommitResult"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    """What one ``commit()`` published, and how long each phase took.
-
-    ``stage_seconds``: time spent copying the tag's tensors into staging memory (what
-    ``save()`` cost the trainer); ``write_seconds``: the writer's time serialising and
-    fsyncing the files; ``commit_seconds``: from the ``commit()`` call until the tag and
-    ``latest`` were durable and published. A replica (``writer=False``) gets zero files.
-    """
-
-    tag: str
-    path: Path
-    files: tuple[str, ...]
-    bytes: int
-    stage_seconds: float
-    write_seconds: float
-    commit_seconds: float
-
-    @property
-    def write_gb_per_second(self) -> float:
-        """Durable write throughput of the writer, in GB/s (10**9 bytes)."""
-        return self.bytes / self.write_seconds / 1e9 if self.write_seconds > 0 else 0.0
-
-    @property
-    def stage_gb_per_second(self) -> float:
-        """Staging copy throughput, in GB/s (10**9 bytes)."""
-        return self.bytes / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
 
 
 @dataclass
@@ -107,9 +79,7 @@ class CheckpointEngine(AsyncResource):
             raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
         super().__init__()
         self._directory = Path(directory)
-        self._keep_last = keep_last
         self._writer = writer
-        self._durable = durable
         self._close_timeout = close_timeout
         config = WriterConfig(durable=durable, direct_io=direct_io)
         self._bridge = (
@@ -124,15 +94,10 @@ class CheckpointEngine(AsyncResource):
             else None
         )
         self._io: DaemonThreadExecutor | None = None
-        self._trash: DaemonThreadExecutor | None = None
-        self._deletions: set[asyncio.Future[None]] = set()
         self._slots = SlotPool(max_pending)
         self._save_lock = asyncio.Lock()
         self._open_tags: dict[str, _OpenTag] = {}
-        self._committed: list[str] = []
-        self._results: dict[str, CommitResult] = {}
-        self._latest: str | None = None
-        self._sequence = 0
+        self._catalog = Catalog(self._directory, durable=durable, keep_last=keep_last)
         self._last_commit: asyncio.Task[CommitResult] | None = None
 
     # -- introspection -----------------------------------------------------------------
@@ -149,11 +114,11 @@ class CheckpointEngine(AsyncResource):
 
     def latest(self) -> str | None:
         """The newest committed tag (what ``latest`` names), or ``None``."""
-        return self._latest
+        return self._catalog.latest
 
     def tags(self) -> list[str]:
         """Committed tags, oldest first (by commit order), as of start and own commits."""
-        return list(self._committed)
+        return list(self._catalog.tags)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -173,7 +138,7 @@ class CheckpointEngine(AsyncResource):
         found: _store.Scan = await self._run_io(
             lambda: _store.scan(self._directory, clean=self._writer)
         )
-        self._committed, self._sequence, self._latest = found.tags, found.sequence, found.latest
+        self._catalog.found(found)
         if self._bridge is not None:
             await self._bridge.start()
 
@@ -195,10 +160,7 @@ class CheckpointEngine(AsyncResource):
                 if self._bridge is not None:
                     await self._bridge.aclose()
             finally:
-                if self._deletions:
-                    await asyncio.wait(self._deletions)
-                if self._trash is not None:
-                    self._trash.shutdown(wait=False)  # idle: every deletion is done
+                await self._catalog.close()
                 for open_tag in list(self._open_tags.values()):
                     await self._run_io(_store.remove_tree, open_tag.tmpdir)
                 self._open_tags.clear()
@@ -225,7 +187,7 @@ class CheckpointEngine(AsyncResource):
         """
         self._check_writer()
         name, tag = _store.validate_name(name), _store.validate_tag(tag)
-        if tag in self._results or tag in self._committed:
+        if self._catalog.committed(tag):
             raise InvalidStateError(f"checkpoint {tag!r} is already committed; use a new tag")
         if self._bridge is None:
             return
@@ -344,8 +306,8 @@ class CheckpointEngine(AsyncResource):
                 )
             tag = next(iter(self._open_tags))
         tag = _store.validate_tag(tag)
-        if tag in self._results:
-            return self._results[tag]
+        if tag in self._catalog.results:
+            return self._catalog.results[tag]
         open_tag = self._open_tags.get(tag)
         if open_tag is None:
             raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
@@ -371,53 +333,25 @@ class CheckpointEngine(AsyncResource):
             records = await self._written(open_tag)
             await bridge.request(SyncTree(str(open_tag.tmpdir)))
             entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
-            try:
-                await self._run_io(
-                    lambda: _store.publish(
-                        open_tag.tmpdir,
-                        self._directory,
-                        tag,
-                        self._sequence + 1,
-                        entries,
-                        durable=self._durable,
-                    )
+
+            def result() -> CommitResult:
+                return CommitResult(
+                    tag=tag,
+                    path=self._directory / tag,
+                    files=tuple(records),
+                    bytes=sum(record.nbytes for record in records.values()),
+                    stage_seconds=open_tag.stage_seconds,
+                    write_seconds=sum(record.seconds for record in records.values()),
+                    commit_seconds=time.perf_counter() - started,
                 )
-                published = True
-            except OSError as exc:
-                raise CheckpointError(
-                    f"could not publish checkpoint {tag!r} in {self._directory}: {exc}; "
-                    f"{_store.LATEST!r} still names {self._latest!r}"
-                ) from exc
-            self._sequence += 1
-            self._committed.append(tag)
-            self._latest = tag
-            result = CommitResult(
-                tag=tag,
-                path=self._directory / tag,
-                files=tuple(records),
-                bytes=sum(record.nbytes for record in records.values()),
-                stage_seconds=open_tag.stage_seconds,
-                write_seconds=sum(record.seconds for record in records.values()),
-                commit_seconds=time.perf_counter() - started,
-            )
-            self._results[tag] = result
-            logger.info(
-                "checkpoint %s committed: %d files, %.3f GB, staged in %.3f s, written in "
-                "%.3f s (%.2f GB/s), commit %.3f s",
-                tag,
-                len(records),
-                result.bytes / 1e9,
-                result.stage_seconds,
-                result.write_seconds,
-                result.write_gb_per_second,
-                result.commit_seconds,
-            )
+
+            done = await self._catalog.publish(self._run_io, open_tag.tmpdir, tag, entries, result)
+            published = True
+            return done
         finally:
             self._release(open_tag)
             if not published:
                 await self._run_io(_store.remove_tree, open_tag.tmpdir)
-        await self._retain()
-        return result
 
     async def _written(self, open_tag: _OpenTag) -> dict[str, FileRecord]:
         records: dict[str, FileRecord] = {}
@@ -428,39 +362,9 @@ class CheckpointEngine(AsyncResource):
                 raise CheckpointError(
                     f"could not write {name!r} of checkpoint {open_tag.tag!r} to "
                     f"{open_tag.tmpdir / name}: {exc.remote_message}; the checkpoint is "
-                    f"discarded, {_store.LATEST!r} still names {self._latest!r}"
+                    f"discarded, {_store.LATEST!r} still names {self._catalog.latest!r}"
                 ) from exc
         return records
-
-    async def _retain(self) -> None:
-        if self._keep_last is None:
-            return
-        while len(self._committed) > self._keep_last:
-            tag = self._committed.pop(0)
-            self._results.pop(tag, None)
-            try:
-                trash = await self._run_io(
-                    _store.retire, self._directory, tag, uuid.uuid4().hex[:8]
-                )
-            except OSError:
-                logger.exception("retention could not delete checkpoint %r; left in place", tag)
-                continue
-            # Deleting GiBs takes a while: on its own thread, off commit()'s path and off the
-            # I/O thread that stages the next save(); aclose() waits for it.
-            if self._trash is None:
-                self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-            loop = asyncio.get_running_loop()
-            deletion = loop.run_in_executor(self._trash, _store.remove_tree, trash)
-            self._deletions.add(deletion)
-            deletion.add_done_callback(self._deleted)
-
-    def _deleted(self, deletion: asyncio.Future[None]) -> None:
-        self._deletions.discard(deletion)
-        if not deletion.cancelled() and deletion.exception() is not None:
-            logger.error(
-                "retention could not delete an old checkpoint; a later start removes it",
-                exc_info=deletion.exception(),
-            )
 
     # -- load ---------------------------------------------------------------------------
 

@@ -321,7 +321,12 @@ async def load_checkpoint(
     """
     executor = DaemonThreadExecutor("aoffload-load")
     try:
-        return await load(Path(directory), name, tag, map_location, verify, executor)
-    finally:
-        # A cancelled load leaves its read running on the thread: never join it here.
-        executor.shutdown(wait=False)
+        loaded = await load(Path(directory), name, tag, map_location, verify, executor)
+    except asyncio.CancelledError:
+        executor.shutdown(wait=False)  # its read may still run: never join it on the loop
+        raise
+    except BaseException:
+        executor.shutdown(wait=True)  # idle: the call that failed has returned
+        raise
+    executor.shutdown(wait=True)  # idle: joining it takes microseconds
+    return loaded

@@ -1,0 +1,165 @@
+"""What a directory has committed, and the last phase of a commit: publish, then retain.
+
+:class:`Catalog` is the engine's view of the directory (committed tags in commit order,
+``latest``, the last sequence number, the results of its own commits). Its
+:meth:`Catalog.publish` runs the publish phase of :mod:`._store` as one call on the
+engine's I/O thread and then applies ``keep_last``: old tags are renamed away at once
+and deleted on a thread of their own, so dropping a GiB-sized tag never lengthens a
+commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._errors import CheckpointError
+from .._runtime.threads import DaemonThreadExecutor
+from . import _store
+
+__all__ = ["Catalog", "CommitResult"]
+
+logger = logging.getLogger(__name__)
+
+RunIO = Callable[..., Awaitable[Any]]
+"""Runs a blocking function with its arguments on the engine's I/O thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What one ``commit()`` published, and how long each phase took.
+
+    ``stage_seconds``: time spent copying the tag's tensors into staging memory (what
+    ``save()`` cost the trainer); ``write_seconds``: the writer's time serialising and
+    fsyncing the files; ``commit_seconds``: from the ``commit()`` call until the tag and
+    ``latest`` were durable and published. A replica (``writer=False``) gets zero files.
+    """
+
+    tag: str
+    path: Path
+    files: tuple[str, ...]
+    bytes: int
+    stage_seconds: float
+    write_seconds: float
+    commit_seconds: float
+
+    @property
+    def write_gb_per_second(self) -> float:
+        """Durable write throughput of the writer, in GB/s (10**9 bytes)."""
+        return self.bytes / self.write_seconds / 1e9 if self.write_seconds > 0 else 0.0
+
+    @property
+    def stage_gb_per_second(self) -> float:
+        """Staging copy throughput, in GB/s (10**9 bytes)."""
+        return self.bytes / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
+
+
+class Catalog:
+    """The committed tags of one directory, as of the engine's start and its own commits."""
+
+    def __init__(self, directory: Path, *, durable: bool, keep_last: int | None) -> None:
+        self.directory = directory
+        self.tags: list[str] = []
+        self.latest: str | None = None
+        self.sequence = 0
+        self.results: dict[str, CommitResult] = {}
+        self._durable = durable
+        self._keep_last = keep_last
+        self._trash: DaemonThreadExecutor | None = None
+        self._deletions: set[asyncio.Future[None]] = set()
+
+    def found(self, scan: _store.Scan) -> None:
+        """Take what a scan of the directory found."""
+        self.tags, self.sequence, self.latest = scan.tags, scan.sequence, scan.latest
+
+    def committed(self, tag: str) -> bool:
+        """Whether ``tag`` is committed (and so cannot be saved into again)."""
+        return tag in self.results or tag in self.tags
+
+    async def publish(
+        self,
+        run_io: RunIO,
+        tmpdir: Path,
+        tag: str,
+        files: Mapping[str, _store.FileEntry],
+        result: Callable[[], CommitResult],
+    ) -> CommitResult:
+        """Publish ``tmpdir`` as ``tag`` and move ``latest``; then apply retention.
+
+        ``result()`` builds the :class:`CommitResult` once the tag is published.
+        Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
+        """
+        try:
+            publish = functools.partial(
+                _store.publish,
+                tmpdir,
+                self.directory,
+                tag,
+                self.sequence + 1,
+                files,
+                durable=self._durable,
+            )
+            await run_io(publish)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not publish checkpoint {tag!r} in {self.directory}: {exc}; "
+                f"{_store.LATEST!r} still names {self.latest!r}"
+            ) from exc
+        self.sequence += 1
+        self.tags.append(tag)
+        self.latest = tag
+        done = self.results[tag] = result()
+        logger.info(
+            "checkpoint %s committed: %d files, %.3f GB, staged in %.3f s, written in "
+            "%.3f s (%.2f GB/s), commit %.3f s",
+            tag,
+            len(done.files),
+            done.bytes / 1e9,
+            done.stage_seconds,
+            done.write_seconds,
+            done.write_gb_per_second,
+            done.commit_seconds,
+        )
+        await self._retain(run_io)
+        return done
+
+    async def _retain(self, run_io: RunIO) -> None:
+        if self._keep_last is None:
+            return
+        while len(self.tags) > self._keep_last:
+            tag = self.tags.pop(0)
+            self.results.pop(tag, None)
+            try:
+                trash = await run_io(_store.retire, self.directory, tag, uuid.uuid4().hex[:8])
+            except OSError:
+                logger.exception("retention could not delete checkpoint %r; left in place", tag)
+                continue
+            # Deleting GiBs takes a while: on its own thread, off commit()'s path and off the
+            # I/O thread that stages the next save(); close() waits for it.
+            if self._trash is None:
+                self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
+            loop = asyncio.get_running_loop()
+            deletion = loop.run_in_executor(self._trash, _store.remove_tree, trash)
+            self._deletions.add(deletion)
+            deletion.add_done_callback(self._deleted)
+
+    def _deleted(self, deletion: asyncio.Future[None]) -> None:
+        self._deletions.discard(deletion)
+        if not deletion.cancelled() and deletion.exception() is not None:
+            logger.error(
+                "retention could not delete an old checkpoint; a later start removes it",
+                exc_info=deletion.exception(),
+            )
+
+    async def close(self) -> None:
+        """Wait for the deletions retention started, then stop their thread."""
+        if self._deletions:
+            await asyncio.wait(self._deletions)
+        if self._trash is not None:
+            self._trash.shutdown(wait=True)  # idle: every deletion is done
