@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import pickle
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import torch
 
 import aoffload
 from aoffload._runtime.bridge import Bridge
+from aoffload._runtime.protocol import Call
 from aoffload._runtime.resource import State
 
 from ._leaks import Snapshot, child_pids
@@ -22,6 +26,7 @@ from .services.echo import (
     Alloc,
     Echo,
     EchoConfig,
+    EchoLarge,
     Exit,
     IgnoreTerm,
     Log,
@@ -75,6 +80,39 @@ async def test_send_callback_gets_the_value_the_remote_error_and_the_death() -> 
             await bridge.request(Echo(None))
         assert isinstance(outcomes[2][1], aoffload.WorkerDiedError)
         assert bridge.outstanding == 0
+
+
+async def test_large_calls_are_written_off_the_loop_and_keep_their_place() -> None:
+    order: list[object] = []
+
+    def record(value: object, error: BaseException | None) -> None:
+        order.append(error or value)
+
+    big = await asyncio.to_thread(os.urandom, 8 << 20)  # not on the loop: the guard times it
+    async with echo() as bridge:
+        bridge.call_with_callback(Echo(1), record)
+        assert not [t for t in threading.enumerate() if t.name.endswith("-sender")]
+        bridge.call_with_callback(EchoLarge(big), record)
+        assert [t for t in threading.enumerate() if t.name == "aoffload-echo-sender"]
+        bridge.call_with_callback(Echo(2), record)  # queued behind the large one
+        assert await bridge.request(Echo(3)) == 3
+    assert order == [1, big, 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plain(Call[int]):
+    a: int
+    b: str = "b"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Derived(_Plain):
+    c: float = 1.5
+
+
+def test_a_call_subclass_without_slots_keeps_every_field() -> None:
+    message = _Derived(1, "x", 2.5)
+    assert pickle.loads(pickle.dumps(message)) == message
 
 
 class _NoFdWatchingLoop(asyncio.SelectorEventLoop):

@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from aoffload._runtime.protocol import Call
 from aoffload._runtime.serve import Handler
@@ -24,6 +24,7 @@ __all__ = [
     "Alloc",
     "Echo",
     "EchoConfig",
+    "EchoLarge",
     "Exit",
     "IgnoreTerm",
     "Log",
@@ -34,6 +35,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EchoLarge(Call[object]):
+    """:class:`Echo`, sent as a ``large`` call (pickled and written on the sender thread)."""
+
+    large: ClassVar[bool] = True
+    value: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,7 @@ class FaultyEchoService(EchoService):
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         return {
             **super().handlers(),
+            EchoLarge: lambda call: call.value,
             Raise: self._raise,
             Print: lambda call: print(call.text),
             Log: lambda call: logger.warning("%s", call.text),

@@ -1,0 +1,42 @@
+"""The library changes nothing process-wide that the user did not ask for."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+import aoffload
+
+
+def _threads_in_a_new_thread() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+async def test_checkpoints_and_the_default_optimizer_leave_threads_and_affinity_alone(
+    tmp_path: Path,
+) -> None:
+    threads, fresh = torch.get_num_threads(), _threads_in_a_new_thread()
+    affinity = os.sched_getaffinity(0)
+    state = {"w": torch.randn(1 << 18)}
+    async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
+        await engine.save(state, "model.pt", tag="t")
+        await engine.commit("t")
+        await engine.load("model.pt")
+        param, grad = torch.zeros(1 << 16), torch.ones(1 << 16)
+        async with aoffload.CPUAdam([{"lr": 0.1}], backend="torch") as opt:
+            opt.submit(0, 0, param, grad)
+            await opt.drain()
+            assert os.sched_getaffinity(0) == affinity
+            assert torch.get_num_threads() == threads
+        # A thread the library created copied and loaded the state; new threads see no change.
+        assert await asyncio.to_thread(_threads_in_a_new_thread) == fresh
+    assert torch.get_num_threads() == threads
+    assert os.sched_getaffinity(0) == affinity
