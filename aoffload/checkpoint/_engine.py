@@ -22,7 +22,7 @@ from .._errors import CheckpointError, ClosedError, InvalidStateError, RemoteErr
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
-from . import _store
+from . import _lock, _store
 from ._plan import Plan, copy_into, plan
 from ._staging import Segment, SlotPool
 from ._writer import TARGET, FileRecord, MapSegment, SyncTree, TensorRecord, WriteFile, WriterConfig
@@ -124,6 +124,7 @@ class CheckpointEngine(AsyncResource):
             else None
         )
         self._io: DaemonThreadExecutor | None = None
+        self._lock: _lock.DirectoryLock | None = None
         self._trash: DaemonThreadExecutor | None = None
         self._deletions: set[asyncio.Future[None]] = set()
         self._slots = SlotPool(max_pending)
@@ -168,11 +169,18 @@ class CheckpointEngine(AsyncResource):
     async def _open(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
         self._io = DaemonThreadExecutor("aoffload-checkpoint-io")
+        found: _store.Scan
         if self._writer:
             await self._run_io(lambda: self._directory.mkdir(parents=True, exist_ok=True))
-        found: _store.Scan = await self._run_io(
-            lambda: _store.scan(self._directory, clean=self._writer)
-        )
+            # The directory lock (see _lock): held shared while this engine lives; leftovers
+            # of dead runs are removed only by an engine alone in the directory.
+            self._lock, found = await self._run_io(
+                _lock.hold_shared,
+                self._directory,
+                lambda sole: _store.scan(self._directory, clean=sole),
+            )
+        else:
+            found = await self._run_io(lambda: _store.scan(self._directory, clean=False))
         self._committed, self._sequence, self._latest = found.tags, found.sequence, found.latest
         if self._bridge is not None:
             await self._bridge.start()
@@ -204,6 +212,8 @@ class CheckpointEngine(AsyncResource):
                 self._open_tags.clear()
                 await self._run_io(self._slots.close)
                 self._executor().shutdown(wait=True)  # idle: its last call just returned
+                if self._lock is not None:
+                    self._lock.release()  # last: nothing of this engine writes any more
 
     def _check_writer(self) -> None:
         """Raise why the engine cannot save or commit now (closed, or its writer died)."""
