@@ -51,6 +51,10 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B" if index == 0 else f"{nbytes:.1f} {units[index]}"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -83,7 +87,7 @@ async def _ls(args: argparse.Namespace, out: TextIO) -> int:
     if stale:
         total = sum(size for _, size in stale)
         print(
-            f"{len(stale)} leftovers of interrupted runs ({_size(total)}); "
+            f"{_count(len(stale), 'leftover')} of interrupted runs ({_size(total)}); "
             f"`aoffload clean {directory}` removes them",
             file=out,
         )
@@ -164,7 +168,7 @@ async def _clean(args: argparse.Namespace, out: TextIO) -> int:
     for path, size in removed:
         print(f"{verb} {path} ({_size(size)})", file=out)
     total = sum(size for _, size in removed)
-    print(f"{verb} {len(removed)} leftovers, {_size(total)}", file=out)
+    print(f"{verb} {_count(len(removed), 'leftover')}, {_size(total)}", file=out)
     return EXIT_OK
 
 

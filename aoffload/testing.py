@@ -42,8 +42,6 @@ from .checkpoint import CheckpointEngine
 from .optimizer import CPUAdam
 
 __all__ = [
-    "DEFAULT_PARAM_GROUP",
-    "LoopFactory",
     "aoffload_engine",
     "aoffload_engine_options",
     "aoffload_kill",
@@ -54,11 +52,8 @@ __all__ = [
     "no_leaked_workers",
 ]
 
-LoopFactory = Callable[[], asyncio.AbstractEventLoop]
-"""A callable that returns a new event loop, as pytest-asyncio's loop factories are."""
-
-DEFAULT_PARAM_GROUP: dict[str, object] = {"lr": 1e-3}
-"""The one param group of the ``aoffload_optimizer`` fixture (DeepSpeed's defaults besides)."""
+_LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+_DEFAULT_PARAM_GROUP: dict[str, object] = {"lr": 1e-3}  # DeepSpeed's defaults for the rest
 
 
 # -- loops ---------------------------------------------------------------------------------
@@ -66,7 +61,7 @@ DEFAULT_PARAM_GROUP: dict[str, object] = {"lr": 1e-3}
 
 def loop_factories(
     *, uvloop: bool | None = None, slow_callback_duration: float | None = None
-) -> dict[str, LoopFactory]:
+) -> dict[str, _LoopFactory]:
     """Loop factories for pytest-asyncio's ``pytest_asyncio_loop_factories`` hook.
 
     Returned from that hook in a ``conftest.py``, every async test (and the async
@@ -77,7 +72,7 @@ def loop_factories(
     ``asyncio_debug`` setting.
     """
 
-    def configured(factory: LoopFactory) -> LoopFactory:
+    def configured(factory: _LoopFactory) -> _LoopFactory:
         def new_loop() -> asyncio.AbstractEventLoop:
             loop = factory()
             if slow_callback_duration is not None:
@@ -224,7 +219,7 @@ async def aoffload_optimizer(
 ) -> AsyncIterator[CPUAdam]:
     """A started CPUAdam with one default param group (torch backend), closed after the
     test; the test fails if a worker process outlives it."""
-    options = {"param_groups": [dict(DEFAULT_PARAM_GROUP)], **aoffload_optimizer_options}
+    options = {"param_groups": [dict(_DEFAULT_PARAM_GROUP)], **aoffload_optimizer_options}
     with no_leaked_workers("the aoffload_optimizer fixture's test"):
         async with CPUAdam(**options) as optimizer:
             yield optimizer
