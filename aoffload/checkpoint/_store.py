@@ -321,7 +321,10 @@ async def load_checkpoint(
     """
     executor = DaemonThreadExecutor("aoffload-load")
     try:
-        return await load(Path(directory), name, tag, map_location, verify, executor)
-    finally:
+        loaded = await load(Path(directory), name, tag, map_location, verify, executor)
+    except BaseException:
         # A cancelled load leaves its read running on the thread: never join it here.
         executor.shutdown(wait=False)
+        raise
+    executor.shutdown(wait=True)  # idle: its last call just returned; no thread outlives it
+    return loaded
