@@ -5,40 +5,10 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
+from aoffload._runtime.census import SHM_DIR, child_pids
 
-def _stat(pid: int | str) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state, ppid, ...), or None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def child_pids() -> set[int]:
-    """Live children of this process (zombies excluded)."""
-    pids: set[int] = set()
-    listed = False
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            text = (task / "children").read_text()
-        except OSError:
-            continue
-        listed = True
-        pids.update(int(pid) for pid in text.split())
-    if not listed:  # kernels without .../children (gVisor): find children by their ppid
-        me = str(os.getpid())
-        for entry in Path("/proc").iterdir():
-            fields = _stat(entry.name) if entry.name.isdigit() else None
-            if fields is not None and fields[1] == me:
-                pids.add(int(entry.name))
-    alive = set()
-    for pid in pids:
-        fields = _stat(pid)
-        if fields is not None and fields[0] != "Z":
-            alive.add(pid)
-    return alive
+__all__ = ["Snapshot", "child_pids"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +23,7 @@ class Snapshot:
     @classmethod
     def take(cls) -> Snapshot:
         """Read the counts now."""
-        shm = frozenset(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else frozenset()
+        shm = frozenset(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else frozenset()
         return cls(
             children=frozenset(child_pids()),
             fds=len(os.listdir("/proc/self/fd")),

@@ -11,30 +11,23 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is part of the dev extra
-    uvloop = None
+import aoffload.testing
+from aoffload.testing import loop_factories
 
 SLOW_CALLBACK_SECONDS = float(os.environ.get("AOFFLOAD_TEST_SLOW_CALLBACK", "0.05"))
 
 
-def _debug_loop(factory: Callable[[], asyncio.AbstractEventLoop]) -> asyncio.AbstractEventLoop:
-    loop = factory()
-    loop.set_debug(True)
-    loop.slow_callback_duration = SLOW_CALLBACK_SECONDS
-    return loop
+def pytest_configure(config: pytest.Config) -> None:
+    # Installed, aoffload registers its plugin through the `pytest11` entry point; a checkout
+    # that is not installed (or a run with plugin autoloading off) gets it here.
+    if not config.pluginmanager.is_registered(aoffload.testing):
+        config.pluginmanager.register(aoffload.testing, "aoffload")
 
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-        "asyncio": lambda: _debug_loop(asyncio.new_event_loop),
-    }
-    if uvloop is not None:
-        factories["uvloop"] = lambda: _debug_loop(uvloop.new_event_loop)
-    return factories
+    return loop_factories(slow_callback_duration=SLOW_CALLBACK_SECONDS)
 
 
 class LoopBlockGuard(logging.Handler):

@@ -112,50 +112,54 @@ async def test_round_trip_of_nested_state_readable_by_plain_torch_load(tmp_path:
     assert not Snapshot.take().leaked_since(before)
 
 
-async def test_snapshot_is_taken_when_save_returns(tmp_path: Path) -> None:
+async def test_snapshot_is_taken_when_save_returns(
+    aoffload_engine: aoffload.CheckpointEngine,
+) -> None:
     state = nested_state(2)
     expected = {k: v.clone() for k, v in state["model"].items()}  # type: ignore[union-attr]
-    async with aoffload.CheckpointEngine(tmp_path) as engine:
-        await engine.save(state["model"], "model.pt", tag="t")
-        for tensor in state["model"].values():  # type: ignore[union-attr]
-            tensor.add_(1) if tensor.dtype != torch.bool else tensor.logical_not_()
-            tensor.zero_()
-        await engine.commit("t")
-        assert_same(await engine.load("model.pt"), expected)
+    engine = aoffload_engine
+    await engine.save(state["model"], "model.pt", tag="t")
+    for tensor in state["model"].values():  # type: ignore[union-attr]
+        tensor.add_(1) if tensor.dtype != torch.bool else tensor.logical_not_()
+        tensor.zero_()
+    await engine.commit("t")
+    assert_same(await engine.load("model.pt"), expected)
 
 
-async def test_bad_input_is_named_and_the_engine_stays_usable(tmp_path: Path) -> None:
-    async with aoffload.CheckpointEngine(tmp_path) as engine:
-        await engine.save({"w": torch.ones(2)}, "model.pt", tag="good")
-        await engine.commit()
-        for name in ("../x", "/abs", "", "a/../b", MANIFEST):
-            with pytest.raises(aoffload.InvalidStateError, match="file name"):
-                await engine.save({"w": torch.ones(1)}, name, tag="t")
-        for tag in ("", "a/b", ".hidden", "latest"):
-            with pytest.raises(aoffload.InvalidStateError, match="tag"):
-                await engine.save({"w": torch.ones(1)}, "m.pt", tag=tag)
-        with pytest.raises(aoffload.InvalidStateError, match=r"\['opt'\]\['fn'\]") as info:
-            await engine.save({"w": torch.ones(1), "opt": {"fn": lambda x: x}}, "m.pt", tag="t")
-        assert isinstance(info.value, TypeError)
-        assert isinstance(info.value, ValueError)
-        with pytest.raises(aoffload.InvalidStateError, match=r"\['sparse'\].*layout"):
-            await engine.save({"sparse": torch.eye(3).to_sparse()}, "m.pt", tag="t")
-        with pytest.raises(aoffload.InvalidStateError, match=r"\[0\].*meta"):
-            await engine.save([torch.empty(3, device="meta")], "m.pt", tag="t")
-        with pytest.raises(aoffload.InvalidStateError, match="already committed"):
-            await engine.save({"w": torch.ones(1)}, "m.pt", tag="good")
-        with pytest.raises(aoffload.InvalidStateError, match="nothing was saved"):
-            await engine.commit("never-saved")
-        with pytest.raises(aoffload.CheckpointError, match="no committed checkpoint 'nope'"):
-            await engine.load("model.pt", tag="nope")
-        with pytest.raises(aoffload.CheckpointError, match=r"no file 'other\.pt'"):
-            await engine.load("other.pt")
+async def test_bad_input_is_named_and_the_engine_stays_usable(
+    aoffload_engine: aoffload.CheckpointEngine,
+) -> None:
+    engine = aoffload_engine
+    await engine.save({"w": torch.ones(2)}, "model.pt", tag="good")
+    await engine.commit()
+    for name in ("../x", "/abs", "", "a/../b", MANIFEST):
+        with pytest.raises(aoffload.InvalidStateError, match="file name"):
+            await engine.save({"w": torch.ones(1)}, name, tag="t")
+    for tag in ("", "a/b", ".hidden", "latest"):
+        with pytest.raises(aoffload.InvalidStateError, match="tag"):
+            await engine.save({"w": torch.ones(1)}, "m.pt", tag=tag)
+    with pytest.raises(aoffload.InvalidStateError, match=r"\['opt'\]\['fn'\]") as info:
+        await engine.save({"w": torch.ones(1), "opt": {"fn": lambda x: x}}, "m.pt", tag="t")
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(aoffload.InvalidStateError, match=r"\['sparse'\].*layout"):
+        await engine.save({"sparse": torch.eye(3).to_sparse()}, "m.pt", tag="t")
+    with pytest.raises(aoffload.InvalidStateError, match=r"\[0\].*meta"):
+        await engine.save([torch.empty(3, device="meta")], "m.pt", tag="t")
+    with pytest.raises(aoffload.InvalidStateError, match="already committed"):
+        await engine.save({"w": torch.ones(1)}, "m.pt", tag="good")
+    with pytest.raises(aoffload.InvalidStateError, match="nothing was saved"):
+        await engine.commit("never-saved")
+    with pytest.raises(aoffload.CheckpointError, match="no committed checkpoint 'nope'"):
+        await engine.load("model.pt", tag="nope")
+    with pytest.raises(aoffload.CheckpointError, match=r"no file 'other\.pt'"):
+        await engine.load("other.pt")
+    await engine.save({"w": torch.ones(1)}, "m.pt", tag="t")
+    with pytest.raises(aoffload.InvalidStateError, match="already saved"):
         await engine.save({"w": torch.ones(1)}, "m.pt", tag="t")
-        with pytest.raises(aoffload.InvalidStateError, match="already saved"):
-            await engine.save({"w": torch.ones(1)}, "m.pt", tag="t")
-        await engine.commit("t")
-        assert engine.tags() == ["good", "t"]
-        assert_same(await engine.load("model.pt", tag="good"), {"w": torch.ones(2)})
+    await engine.commit("t")
+    assert engine.tags() == ["good", "t"]
+    assert_same(await engine.load("model.pt", tag="good"), {"w": torch.ones(2)})
 
 
 async def test_a_flipped_byte_is_a_corrupt_checkpoint_naming_the_file(tmp_path: Path) -> None:
@@ -192,7 +196,7 @@ async def test_retention_keeps_the_newest_and_a_restart_sees_commit_order(tmp_pa
             assert engine.tags()[-1] == f"s{step}"
             assert len(engine.tags()) <= 2
         assert engine.tags() == ["s20", "s5"]
-    assert sorted(os.listdir(tmp_path)) == ["latest", "s20", "s5"]
+    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "latest", "s20", "s5"]
     async with aoffload.CheckpointEngine(tmp_path, writer=False) as replica:
         assert replica.tags() == ["s20", "s5"]
         assert replica.latest() == "s5"

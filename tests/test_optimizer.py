@@ -117,6 +117,12 @@ async def test_exact_rollback_restores_bytes() -> None:
             await opt.drain()
 
 
+@pytest.fixture
+def aoffload_optimizer_options() -> dict[str, object]:
+    """The plugin's optimizer, without the CPU split (as every test here but the affinity one)."""
+    return {"backend": "torch", "worker_cores": None}
+
+
 def _registered(opt: CPUAdam, gid: int, sg: int) -> tuple[torch.Tensor, torch.Tensor]:
     sub = opt._subgroups[gid, sg]
     return sub.param, sub.grad
@@ -162,22 +168,24 @@ async def test_several_groups_step_independently() -> None:
     assert deltas[2] == pytest.approx(0.001 + 0.001 * 0.5, rel=1e-3)
 
 
-async def test_rollback_of_unstepped_subgroup_is_remote_error_and_worker_serves_on() -> None:
-    async with CPUAdam([{"lr": 0.1}], backend="torch", worker_cores=None) as opt:
-        pid = opt.pid
-        p, g = torch.ones(16), torch.ones(16)
-        opt.submit(0, 0, p, g, rollback=True)
-        opt.submit(0, 1, torch.ones(4), torch.ones(4))
-        results = opt.results()
-        with pytest.raises(aoffload.RemoteError, match="has no step") as info:
-            await results.__anext__()
-        assert "NoStepError" in info.value.remote_type
-        ok = await results.__anext__()  # the iteration goes on after a failed step
-        assert ok.subgroup_id == 1
-        opt.submit(0, 0, p, g)
-        [result] = await opt.drain()
-        assert result.step == 1
-        assert opt.pid == pid
+async def test_rollback_of_unstepped_subgroup_is_remote_error_and_worker_serves_on(
+    aoffload_optimizer: CPUAdam,
+) -> None:
+    opt = aoffload_optimizer
+    pid = opt.pid
+    p, g = torch.ones(16), torch.ones(16)
+    opt.submit(0, 0, p, g, rollback=True)
+    opt.submit(0, 1, torch.ones(4), torch.ones(4))
+    results = opt.results()
+    with pytest.raises(aoffload.RemoteError, match="has no step") as info:
+        await results.__anext__()
+    assert "NoStepError" in info.value.remote_type
+    ok = await results.__anext__()  # the iteration goes on after a failed step
+    assert ok.subgroup_id == 1
+    opt.submit(0, 0, p, g)
+    [result] = await opt.drain()
+    assert result.step == 1
+    assert opt.pid == pid
 
 
 async def test_grad_other_than_registered_is_copied_when_idle() -> None:
@@ -252,10 +260,9 @@ async def test_bad_input_raises_before_anything_is_sent() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_cuda_tensor_is_rejected() -> None:
-    async with CPUAdam([{"lr": 0.1}], backend="torch", worker_cores=None) as opt:
-        with pytest.raises(aoffload.OptimizerError, match="cuda"):
-            opt.submit(0, 0, torch.ones(4, device="cuda"), torch.ones(4, device="cuda"))
+async def test_cuda_tensor_is_rejected(aoffload_optimizer: CPUAdam) -> None:
+    with pytest.raises(aoffload.OptimizerError, match="cuda"):
+        aoffload_optimizer.submit(0, 0, torch.ones(4, device="cuda"), torch.ones(4, device="cuda"))
 
 
 async def test_sigkill_mid_stream_raises_worker_died_promptly() -> None:

@@ -59,3 +59,21 @@ def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_pytest_plugin_and_the_console_script_are_declared_and_importable() -> None:
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["requires-python"] == ">=3.11"
+    plugin = project["project"]["entry-points"]["pytest11"]["aoffload"]
+    module = importlib.import_module(plugin)
+    for name in module.__all__:
+        assert inspect.getdoc(getattr(module, name)), f"{plugin}.{name} has no docstring"
+    for name in ("aoffload_engine", "aoffload_optimizer", "aoffload_kill"):
+        assert name in module.__all__
+    script = project["project"]["scripts"]["aoffload"]
+    module_name, function = script.split(":")
+    assert callable(getattr(importlib.import_module(module_name), function))

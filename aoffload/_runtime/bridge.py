@@ -104,6 +104,16 @@ class Bridge(AsyncResource):
         """Requests sent whose reply has not arrived yet (abandoned waits included)."""
         return len(self._pending)
 
+    async def wait_exited(self) -> int | None:
+        """Wait until the worker has exited and this bridge has seen it; its exit code.
+
+        Once this returns, a worker that died while serving is reported by
+        :meth:`check_running` (and every call) as :class:`WorkerDiedError`.
+        """
+        if self._exited is None:
+            raise ClosedError(f"the {self.name} worker was never started")
+        return await asyncio.shield(self._exited)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def _open(self) -> None:

@@ -22,7 +22,7 @@ from .._errors import CheckpointError, ClosedError, InvalidStateError, RemoteErr
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
-from . import _store
+from . import _lock, _store
 from ._commit import Catalog, CommitResult
 from ._plan import Plan, copy_into, plan
 from ._staging import Segment, SlotPool
@@ -94,6 +94,7 @@ class CheckpointEngine(AsyncResource):
             else None
         )
         self._io: DaemonThreadExecutor | None = None
+        self._lock: _lock.DirectoryLock | None = None
         self._slots = SlotPool(max_pending)
         self._save_lock = asyncio.Lock()
         self._open_tags: dict[str, _OpenTag] = {}
@@ -133,11 +134,18 @@ class CheckpointEngine(AsyncResource):
     async def _open(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
         self._io = DaemonThreadExecutor("aoffload-checkpoint-io")
+        found: _store.Scan
         if self._writer:
             await self._run_io(lambda: self._directory.mkdir(parents=True, exist_ok=True))
-        found: _store.Scan = await self._run_io(
-            lambda: _store.scan(self._directory, clean=self._writer)
-        )
+            # The directory lock (see _lock): held shared while this engine lives; leftovers
+            # of dead runs are removed only by an engine alone in the directory.
+            self._lock, found = await self._run_io(
+                _lock.hold_shared,
+                self._directory,
+                lambda sole: _store.scan(self._directory, clean=sole),
+            )
+        else:
+            found = await self._run_io(lambda: _store.scan(self._directory, clean=False))
         self._catalog.found(found)
         if self._bridge is not None:
             await self._bridge.start()
@@ -166,6 +174,8 @@ class CheckpointEngine(AsyncResource):
                 self._open_tags.clear()
                 await self._run_io(self._slots.close)
                 self._executor().shutdown(wait=True)  # idle: its last call just returned
+                if self._lock is not None:
+                    self._lock.release()  # last: nothing of this engine writes any more
 
     def _check_writer(self) -> None:
         """Raise why the engine cannot save or commit now (closed, or its writer died)."""

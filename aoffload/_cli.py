@@ -1,0 +1,231 @@
+"""``python -m aoffload`` (the ``aoffload`` console script): look after checkpoint directories.
+
+The commands read the directory with :mod:`aoffload.checkpoint._inspect`; this module
+parses arguments, prints, and maps outcomes to the exit codes below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from ._errors import CheckpointError
+from .checkpoint import _inspect
+
+__all__ = ["EXIT_BUSY", "EXIT_DAMAGED", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+"""Success; for ``verify``: every file matches its manifest."""
+EXIT_DAMAGED = 1
+"""``verify``: a file is corrupt or missing, or a manifest is unreadable; ``inspect``: a
+file could not be loaded."""
+EXIT_USAGE = 2
+"""Bad arguments, no such directory, not a checkpoint directory, or no such tag."""
+EXIT_BUSY = 3
+"""``clean``: a live engine holds the directory; nothing was removed."""
+
+PROGRESS_BYTES = 512 << 20
+"""``verify`` shows a progress bar (on a terminal, with tqdm installed) from this many bytes."""
+
+_EPILOG = f"""\
+exit codes:
+  {EXIT_OK}  success (verify: every file matches its manifest)
+  {EXIT_DAMAGED}  verify: a file is corrupt or missing or a manifest unreadable;
+     inspect: a file could not be loaded
+  {EXIT_USAGE}  bad arguments, no such directory or tag, not a checkpoint directory
+  {EXIT_BUSY}  clean: a live engine holds the directory (DIR/.aoffload.lock); nothing removed
+"""
+
+
+def _size(nbytes: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    index = 0
+    while nbytes >= 1024 and index < len(units) - 1:
+        nbytes /= 1024
+        index += 1
+    return f"{nbytes:.0f} B" if index == 0 else f"{nbytes:.1f} {units[index]}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+async def _ls(args: argparse.Namespace, out: TextIO) -> int:
+    directory = Path(args.directory)
+    infos, latest = await _inspect.list_tags(directory)
+    if not infos:
+        print(f"{directory}: no committed checkpoints", file=out)
+    else:
+        width = max(len(info.tag) for info in infos) + 2
+        print(f"{'TAG':<{width}}  {'FILES':>5}  {'BYTES':>10}  AGE", file=out)
+        for info in infos:
+            mark = " *" if info.tag == latest else ""
+            if info.error is not None:
+                print(f"{info.tag + mark:<{width}}  {info.error}", file=out)
+                continue
+            row = f"{len(info.files):>5}  {_size(info.bytes):>10}  {_age(info.age)}"
+            print(f"{info.tag + mark:<{width}}  {row}", file=out)
+        print(f"* latest: {latest}", file=out)
+    stale = await asyncio.to_thread(_inspect.leftovers, directory)
+    if stale:
+        total = sum(size for _, size in stale)
+        print(
+            f"{_count(len(stale), 'leftover')} of interrupted runs ({_size(total)}); "
+            f"`aoffload clean {directory}` removes them",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    """A tqdm bar over ``total`` bytes, or ``None`` (no tqdm, not a terminal, too small)."""
+    if not enabled or total < PROGRESS_BYTES or not sys.stderr.isatty():
+        return None
+    if importlib.util.find_spec("tqdm") is None:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify")
+
+
+async def _verify(args: argparse.Namespace, out: TextIO) -> int:
+    directory = Path(args.directory)
+    infos = await _inspect.resolve_tags(directory, args.tag, args.all)
+    bar = _progress_bar(sum(info.bytes for info in infos), args.progress)
+    try:
+        checks = await _inspect.verify_tags(directory, infos, bar.update if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    failed = [check for check in checks if check.error is not None]
+    for info in infos:
+        mine = [check for check in checks if check.tag == info.tag]
+        bad = [check for check in mine if check.error is not None]
+        verdict = f"{len(bad)} FAILED" if bad else "ok"
+        print(f"{info.tag}: {len(mine)} files, {_size(info.bytes)}: {verdict}", file=out)
+        for check in bad:
+            print(f"  FAILED {check.tag}/{check.name}: {check.error}", file=out)
+    if failed:
+        print(f"{len(failed)} of {len(checks)} files failed verification", file=out)
+        return EXIT_DAMAGED
+    return EXIT_OK
+
+
+async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
+    directory = Path(args.directory)
+    [info] = await _inspect.resolve_tags(directory, args.tag, False)
+    status = EXIT_OK
+    print(f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}", file=out)
+    for summary in await _inspect.inspect_tag(directory, info):
+        size = _size(int(info.files[summary.name]["bytes"]))
+        print(f"{info.tag}/{summary.name} ({size} on disk)", file=out)
+        if summary.error is not None:
+            print(f"  ERROR {summary.error}", file=out)
+            status = EXIT_DAMAGED
+            continue
+        dtypes = ", ".join(f"{dtype} x{n}" for dtype, n in sorted(summary.dtypes.items()))
+        print(
+            f"  tensors: {summary.tensors}, {_size(summary.tensor_bytes)}"
+            + (f" ({dtypes})" if dtypes else ""),
+            file=out,
+        )
+        if summary.keys:
+            keys = ", ".join(f"{key} ({kind})" for key, kind in summary.keys.items())
+            print(f"  keys: {keys}", file=out)
+        else:
+            print(f"  top level: {summary.top}", file=out)
+    return status
+
+
+async def _clean(args: argparse.Namespace, out: TextIO) -> int:
+    directory = Path(args.directory)
+    removed = await asyncio.to_thread(_inspect.clean, directory, dry_run=args.dry_run)
+    if removed is None:
+        print(
+            f"aoffload: {directory} is in use by a live checkpoint engine (it holds "
+            f"{directory}/.aoffload.lock); nothing was removed. Stop the run first.",
+            file=sys.stderr,
+        )
+        return EXIT_BUSY
+    verb = "would remove" if args.dry_run else "removed"
+    for path, size in removed:
+        print(f"{verb} {path} ({_size(size)})", file=out)
+    total = sum(size for _, size in removed)
+    print(f"{verb} {_count(len(removed), 'leftover')}, {_size(total)}", file=out)
+    return EXIT_OK
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+_Command = Callable[[argparse.Namespace, TextIO], Coroutine[Any, Any, int]]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aoffload",
+        description="List, verify, inspect and clean aoffload checkpoint directories.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: _Command, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.add_argument("directory", metavar="DIR", help="the checkpoint directory")
+        sub.set_defaults(run=run)
+        return sub
+
+    command("ls", _ls, "list committed tags (latest marked *): files, bytes, age")
+    verify = command("verify", _verify, "check every file against its manifest")
+    which = verify.add_mutually_exclusive_group()
+    which.add_argument("--tag", help="the tag to verify (default: latest)")
+    which.add_argument("--all", action="store_true", help="verify every committed tag")
+    verify.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (shown on a terminal for large checkpoints when tqdm is installed)",
+    )
+    inspect = command("inspect", _inspect_cmd, "show each file's tensors and top-level keys")
+    inspect.add_argument("--tag", help="the tag to inspect (default: latest)")
+    clean = command(
+        "clean", _clean, "remove leftovers of dead runs (.tmp-*, .trash-*); never a live run's"
+    )
+    clean.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = asyncio.run(args.run(args, out or sys.stdout))
+    except CheckpointError as exc:
+        print(f"aoffload: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return status

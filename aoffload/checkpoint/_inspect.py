@@ -1,0 +1,249 @@
+"""Reading a checkpoint directory without an engine: what ``python -m aoffload`` reports.
+
+Everything here reads the format :mod:`._store` defines (its constants, manifests and
+:func:`~._store.verify_file`); :func:`clean` is the one writer, and it takes the
+directory lock (:mod:`._lock`) exclusive, so it never touches a live engine's files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError, CorruptCheckpointError
+from . import _lock, _store
+
+__all__ = [
+    "FileCheck",
+    "FileSummary",
+    "TagInfo",
+    "clean",
+    "inspect_tag",
+    "leftovers",
+    "list_tags",
+    "resolve_tags",
+    "verify_tags",
+]
+
+_LATEST_TMP = f".{_store.LATEST}.tmp"  # the pointer being replaced (see _store.publish)
+
+
+@dataclass(frozen=True, slots=True)
+class TagInfo:
+    """One committed tag as its manifest describes it (``error`` if the manifest is bad)."""
+
+    tag: str
+    sequence: int
+    files: dict[str, Any]
+    created: float | None
+    error: str | None = None
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of every file, as the manifest records them."""
+        return sum(int(entry["bytes"]) for entry in self.files.values())
+
+    @property
+    def age(self) -> float | None:
+        """Seconds since the tag was committed."""
+        return None if self.created is None else max(0.0, time.time() - self.created)
+
+
+async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
+    """The committed tags of ``directory`` (by sequence, oldest first) and ``latest``."""
+    try:
+        entries = sorted(await asyncio.to_thread(os.listdir, directory))
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise CheckpointError(f"{directory} is not a directory") from exc
+    infos = []
+    for entry in entries:
+        manifest_path = directory / entry / _store.MANIFEST
+        if entry.startswith(".") or not manifest_path.is_file():
+            continue
+        try:
+            manifest = await _store.read_manifest(manifest_path)
+            infos.append(
+                TagInfo(
+                    entry,
+                    int(manifest["sequence"]),
+                    dict(manifest["files"]),
+                    float(manifest["created"]),
+                )
+            )
+        except (CorruptCheckpointError, KeyError, TypeError, ValueError) as exc:
+            infos.append(TagInfo(entry, -1, {}, None, f"unreadable manifest: {exc}"))
+    infos.sort(key=lambda info: (info.sequence, info.tag))
+    return infos, await _store.read_latest(directory)
+
+
+async def resolve_tags(directory: Path, tag: str | None, every: bool) -> list[TagInfo]:
+    """The tags a command acts on: ``tag``, every committed tag, or the latest one."""
+    infos, latest = await list_tags(directory)
+    if every:
+        if not infos:
+            raise CheckpointError(f"{directory} holds no committed checkpoint")
+        return infos
+    wanted = tag if tag is not None else latest
+    if wanted is None:
+        raise CheckpointError(f"{directory} holds no committed checkpoint (no {_store.LATEST!r})")
+    for info in infos:
+        if info.tag == wanted:
+            return [info]
+    known = ", ".join(info.tag for info in infos) or "none"
+    raise CheckpointError(f"{directory} has no committed checkpoint {wanted!r} (it has: {known})")
+
+
+# -- verify --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FileCheck:
+    """The verdict on one file of a tag: ``error`` is ``None`` when it matches."""
+
+    tag: str
+    name: str
+    bytes: int
+    error: str | None
+
+
+async def verify_tags(
+    directory: Path, infos: list[TagInfo], progress: Callable[[int], object] | None = None
+) -> list[FileCheck]:
+    """Check every file of ``infos`` against its manifest, off the event loop, one by one.
+
+    ``progress(nbytes)`` is called after each file. A tag whose manifest is unreadable
+    yields one failed check named after the manifest.
+    """
+    checks = []
+    for info in infos:
+        if info.error is not None:
+            checks.append(FileCheck(info.tag, _store.MANIFEST, 0, info.error))
+            continue
+        for name, entry in info.files.items():
+            error = None
+            try:
+                await asyncio.to_thread(_store.verify_file, directory / info.tag / name, entry)
+            except CorruptCheckpointError as exc:
+                error = str(exc)
+            checks.append(FileCheck(info.tag, name, int(entry["bytes"]), error))
+            if progress is not None:
+                progress(int(entry["bytes"]))
+    return checks
+
+
+# -- inspect -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FileSummary:
+    """What one file holds: its tensors and its top-level keys (``error`` if unloadable)."""
+
+    name: str
+    tensors: int = 0
+    tensor_bytes: int = 0
+    dtypes: Counter[str] = field(default_factory=Counter)
+    keys: dict[str, str] = field(default_factory=dict)
+    top: str = ""
+    error: str | None = None
+
+
+def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, str]:
+    """Count the tensors under ``value`` (into ``summary``); return (count, kind)."""
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            count += 1
+            if summary is not None:
+                summary.tensors += 1
+                summary.tensor_bytes += item.numel() * item.element_size()
+                summary.dtypes[str(item.dtype).removeprefix("torch.")] += 1
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count, type(value).__name__
+
+
+def _summarise(path: Path, name: str) -> FileSummary:
+    summary = FileSummary(name)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - reported per file; the command exits non-zero
+        summary.error = f"could not load {path} with weights_only=True: {exc}"
+        return summary
+    _describe(loaded, summary)
+    summary.top = type(loaded).__name__
+    if isinstance(loaded, dict):
+        for key, value in loaded.items():
+            count, kind = _describe(value)
+            summary.keys[str(key)] = f"{kind}, {count} tensors" if count else kind
+    return summary
+
+
+async def inspect_tag(directory: Path, info: TagInfo) -> list[FileSummary]:
+    """A :class:`FileSummary` of every file of ``info``, each loaded off the event loop."""
+    return [
+        await asyncio.to_thread(_summarise, directory / info.tag / name, name)
+        for name in info.files
+    ]
+
+
+# -- clean ---------------------------------------------------------------------------------
+
+
+def _size(path: Path) -> int:
+    if not path.is_dir():
+        return path.lstat().st_size
+    return sum(
+        (Path(root) / name).lstat().st_size for root, _, names in os.walk(path) for name in names
+    )
+
+
+def leftovers(directory: Path) -> list[tuple[Path, int]]:
+    """The entries dead runs left in ``directory`` (unpublished tags, retired tags, a
+    half-moved ``latest``), with their sizes in bytes."""
+    found = []
+    for entry in sorted(os.listdir(directory)):
+        if entry.startswith((_store.TMP_PREFIX, _store.TRASH_PREFIX)) or entry == _LATEST_TMP:
+            path = directory / entry
+            found.append((path, _size(path)))
+    return found
+
+
+def _is_checkpoint_directory(directory: Path) -> bool:
+    if (directory / _lock.LOCK_FILE).exists() or (directory / _store.LATEST).is_file():
+        return True
+    return any((path / _store.MANIFEST).is_file() for path in directory.iterdir())
+
+
+def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] | None:
+    """Remove :func:`leftovers` under the exclusive directory lock; ``None`` when a live
+    engine holds the directory (then nothing is removed). Blocking."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    if not _is_checkpoint_directory(directory):
+        raise CheckpointError(
+            f"{directory} is not an aoffload checkpoint directory (no {_store.LATEST!r}, "
+            f"no {_lock.LOCK_FILE!r}, no committed tag); nothing was removed"
+        )
+    lock = _lock.try_exclusive(directory)
+    if lock is None:
+        return None
+    try:
+        found = leftovers(directory)
+        if not dry_run:
+            for path, _ in found:
+                _store.remove_tree(path)
+        return found
+    finally:
+        lock.release()

@@ -1,0 +1,203 @@
+"""``python -m aoffload``: ls, verify, inspect and clean on real checkpoint directories, and the
+directory lock that keeps ``clean`` (and other engines) off a live engine's files."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import aoffload
+from aoffload._cli import EXIT_BUSY, EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state(step: int) -> dict[str, object]:
+    return {
+        "model": {"w": torch.full((256,), float(step)), "b": torch.zeros(4, dtype=torch.int64)},
+        "step": step,
+        "config": {"lr": 0.1},
+    }
+
+
+async def _commit_two_tags(directory: Path) -> None:
+    async with aoffload.CheckpointEngine(directory, durable=False) as engine:
+        for step in (10, 20):
+            await engine.save(state(step), "model.pt", tag=f"step-{step}")
+            await engine.save([torch.ones(3, dtype=torch.float16)], "optim.pt", tag=f"step-{step}")
+            await engine.commit()
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with two committed tags, step-10 and step-20 (latest), two files each."""
+    directory = tmp_path_factory.mktemp("committed") / "ckpt"
+    asyncio.run(_commit_two_tags(directory))
+    return directory
+
+
+@pytest.fixture
+def ckpt(committed: Path, tmp_path: Path) -> Path:
+    """A private copy of ``committed`` that a test may damage."""
+    return Path(shutil.copytree(committed, tmp_path / "ckpt"))
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+def test_ls_lists_tags_with_latest_marked(ckpt: Path) -> None:
+    (ckpt / ".tmp-step-30-0123abcd").mkdir()
+    status, out = run("ls", str(ckpt))
+    assert status == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0].split() == ["TAG", "FILES", "BYTES", "AGE"]
+    assert lines[1].split()[:2] == ["step-10", "2"]
+    assert lines[2].split()[:3] == ["step-20", "*", "2"]
+    assert "KiB" in lines[2]
+    assert lines[2].endswith("ago")
+    assert "1 leftover of interrupted runs" in out
+
+
+def test_verify_passes_on_an_intact_checkpoint(ckpt: Path) -> None:
+    assert run("verify", str(ckpt)) == (EXIT_OK, run("verify", str(ckpt), "--tag", "step-20")[1])
+    status, out = run("verify", str(ckpt), "--all")
+    assert status == EXIT_OK
+    assert "step-10: 2 files" in out
+    assert "step-20: 2 files" in out
+    assert "FAILED" not in out
+
+
+def test_verify_names_every_corrupt_and_missing_file(ckpt: Path) -> None:
+    model = ckpt / "step-20" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model.write_bytes(data)
+    (ckpt / "step-10" / "optim.pt").unlink()
+    (ckpt / "step-10" / "model.pt").write_bytes(b"short")
+    status, out = run("verify", str(ckpt), "--all")
+    assert status == EXIT_DAMAGED
+    assert "FAILED step-20/model.pt" in out
+    assert "checksum mismatch" in out
+    assert "FAILED step-10/optim.pt" in out
+    assert "missing" in out
+    assert "FAILED step-10/model.pt" in out
+    assert "bytes on disk" in out
+    assert "step-20/optim.pt" not in out
+    assert "3 of 4 files failed verification" in out
+    status, out = run("verify", str(ckpt))  # latest only: step-20
+    assert status == EXIT_DAMAGED
+    assert "step-20/model.pt" in out
+    assert "step-10" not in out
+
+
+def test_inspect_shows_tensors_dtypes_bytes_and_keys(ckpt: Path) -> None:
+    status, out = run("inspect", str(ckpt), "--tag", "step-10")
+    assert status == EXIT_OK
+    assert "step-10/model.pt" in out
+    assert "tensors: 2, 1.0 KiB (float32 x1, int64 x1)" in out
+    assert "keys: model (dict, 2 tensors), step (int), config (dict)" in out
+    assert "tensors: 1, 6 B (float16 x1)" in out
+    assert "top level: list" in out
+    (ckpt / "step-20" / "optim.pt").write_bytes(b"not a torch file")
+    status, out = run("inspect", str(ckpt))
+    assert status == EXIT_DAMAGED
+    assert "ERROR could not load" in out
+    assert "optim.pt" in out
+
+
+def test_usage_errors_exit_2(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run("verify", str(tmp_path / "nowhere"))[0] == EXIT_USAGE
+    assert run("verify", str(ckpt), "--tag", "nope")[0] == EXIT_USAGE
+    assert "no committed checkpoint 'nope' (it has: step-10, step-20)" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / ".tmp-keep").mkdir()
+    assert run("clean", str(tmp_path / "plain"))[0] == EXIT_USAGE
+    assert (tmp_path / "plain" / ".tmp-keep").exists()  # not aoffload's: never touched
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(ckpt), "--tag", "step-10", "--all"])
+    assert info.value.code == EXIT_USAGE
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == EXIT_OK
+    assert "exit codes:" in capsys.readouterr().out
+
+
+def test_clean_removes_leftovers_of_dead_runs_only(ckpt: Path) -> None:
+    leftovers = [ckpt / ".tmp-step-30-0123abcd", ckpt / ".trash-step-1-89abcdef"]
+    for path in leftovers:
+        path.mkdir()
+        (path / "model.pt").write_bytes(b"x" * 100)
+    (ckpt / ".latest.tmp").write_text("step-30\n")
+    status, out = run("clean", str(ckpt), "--dry-run")
+    assert status == EXIT_OK
+    assert "would remove 3 leftovers" in out
+    assert all(path.exists() for path in leftovers)
+    status, out = run("clean", str(ckpt))
+    assert status == EXIT_OK
+    assert "removed 3 leftovers, 208 B" in out
+    assert not any(path.exists() for path in [*leftovers, ckpt / ".latest.tmp"])
+    assert run("verify", str(ckpt), "--all")[0] == EXIT_OK
+    assert (ckpt / "latest").read_text().strip() == "step-20"
+
+
+def test_clean_and_a_second_engine_leave_a_live_engine_alone(tmp_path: Path) -> None:
+    # Sync on purpose: the commands run asyncio.run() of their own while the engines' loop idles.
+    directory = tmp_path / "ckpt"
+    with asyncio.Runner() as runner:
+        first = aoffload.CheckpointEngine(directory, durable=False)
+        runner.run(first.start())
+        try:
+            runner.run(first.save(state(1), "model.pt", tag="step-1"))
+            staged = directory / ".tmp-step-0-live"  # as the live engine's writer would make it
+            staged.mkdir()
+            second = aoffload.CheckpointEngine(directory, durable=False)  # another rank
+            runner.run(second.start())
+            runner.run(second.aclose())
+            assert staged.exists()  # the second engine saw a live one: it cleaned nothing
+            assert run("clean", str(directory)) == (EXIT_BUSY, "")
+            assert staged.exists()
+            result = runner.run(first.commit())
+            assert result.files == ("model.pt",)
+        finally:
+            runner.run(first.aclose())
+    (directory / ".tmp-step-2-dead").mkdir()
+    status, out = run("clean", str(directory))
+    assert status == EXIT_OK
+    assert "removed 2 leftovers" in out
+
+
+def test_python_m_aoffload_runs_the_command_line(
+    ckpt: Path,
+) -> None:
+    (ckpt / ".tmp-step-30-dead").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "aoffload", "verify", str(ckpt), "--all"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_OK, done.stdout + done.stderr
+    assert "step-20: 2 files" in done.stdout
+
+
+def test_progress_bar_only_on_a_terminal_for_large_checkpoints() -> None:
+    from aoffload._cli import PROGRESS_BYTES, _progress_bar
+
+    assert _progress_bar(PROGRESS_BYTES - 1, True) is None
+    assert _progress_bar(PROGRESS_BYTES, False) is None
+    if not sys.stderr.isatty():
+        assert _progress_bar(PROGRESS_BYTES, True) is None
