@@ -54,7 +54,8 @@ async def test_round_trips_typed_values() -> None:
 
 
 async def test_replies_larger_than_the_pipe_arrive_whole() -> None:
-    payloads = [os.urandom(size) for size in (0, 1, 4096, 70_000, 3 << 20, 17)]
+    sizes = (0, 1, 4096, 70_000, 3 << 20, 17)
+    payloads = await asyncio.to_thread(lambda: [os.urandom(size) for size in sizes])
     async with echo() as bridge:
         futures = [bridge.call(Echo(payload)) for payload in payloads]
         assert await asyncio.gather(*futures) == payloads

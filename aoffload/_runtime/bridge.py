@@ -110,9 +110,11 @@ class Bridge(AsyncResource):
         Once this returns, a worker that died while serving is reported by
         :meth:`check_running` (and every call) as :class:`WorkerDiedError`.
         """
-        if self._exited is None:
+        exited = self._worker.exited
+        if exited is None:
             raise ClosedError(f"the {self.name} worker was never started")
-        return await asyncio.shield(self._exited)
+        # The bridge's own callback on `exited` was added first, so it has run by now.
+        return await asyncio.shield(exited)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ threads:
   nothing of the loop but ``run_in_executor``: it runs on asyncio's selector and
   proactor loops and on uvloop alike;
 * the *sender*, started on first need: requests are pickled and written on the loop
-  while they are small, but a ``large`` call (and anything queued behind it, to keep
-  the order) is pickled and written there instead.
+  while they are small, but one that pickles to more than 64 KiB is written there, and
+  a call type marked ``large`` is pickled there too (anything sent meanwhile queues
+  behind it, to keep the order).
 
 Nothing polls, nothing sleeps. :meth:`WorkerProcess.stop` is the shutdown ladder:
 a bounded wait, then terminate, then kill.
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _PIPE_BYTES = 1 << 20
 _BATCH = 256  # replies read per wake-up of the loop, at most
+_INLINE_WRITE = 1 << 16  # bytes: a bigger request is written on the sender thread
 _TERMINATE_GRACE = 5.0
 
 
@@ -176,31 +178,42 @@ class WorkerProcess:
     def send(
         self, request: Request, *, large: bool, failed: Callable[[BaseException], None]
     ) -> None:
-        """Write ``request``; on the sender thread if it is ``large`` or others wait there.
+        """Write ``request``: on the loop if it is small, else on the sender thread.
 
-        An error other than a broken pipe (the worker died: EOF reports it) goes to
-        ``failed``, on the loop; on the loop thread it is raised instead.
+        A ``large`` call is pickled on the sender thread too; any other request is pickled
+        here, and written here only if it is at most 64 KiB (a write that big never
+        blocks on the 1 MiB pipe). Everything sent while the sender has work queued goes
+        behind it, so order is kept. An error other than a broken pipe (the worker died:
+        EOF reports it) goes to ``failed``, on the loop, or is raised here.
         """
         if large or self._backlog:
             self._send_later(request, failed)
             return
+        data = ForkingPickler.dumps(request)
+        if len(data) > _INLINE_WRITE:
+            self._send_later(data, failed)
+            return
         # A broken pipe means the worker died: EOF fails the waiter at once.
         with contextlib.suppress(OSError):
-            self._write(request)
+            self._write(data)
 
-    def _write(self, request: Request) -> None:
+    def _write(self, message: Request | bytes | memoryview) -> None:
         if self._requests is None:
             raise ClosedError(f"the {self.name} worker was never spawned")
-        self._requests.send_bytes(ForkingPickler.dumps(request))
+        if isinstance(message, Request):
+            message = ForkingPickler.dumps(message)
+        self._requests.send_bytes(message)
 
-    def _send_later(self, request: Request, failed: Callable[[BaseException], None]) -> None:
+    def _send_later(
+        self, message: Request | bytes | memoryview, failed: Callable[[BaseException], None]
+    ) -> None:
         loop = self._loop
         if loop is None:
             raise ClosedError(f"the {self.name} worker was never spawned")
         if self._sender is None:
             self._sender = DaemonThreadExecutor(f"aoffload-{self.name}-sender")
         self._backlog += 1
-        written = self._sender.submit(self._write, request)
+        written = self._sender.submit(self._write, message)
 
         def on_loop(future: concurrent.futures.Future[None]) -> None:
             self._backlog -= 1
