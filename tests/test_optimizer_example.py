@@ -29,7 +29,7 @@ def test_async_offload_step_example_runs(flags: list[str], hook_thread: str) -> 
     out = done.stdout
     assert "step 3 overflowed: rolled back 6 sub-groups, masters restored exactly: True" in out
     for step in (0, 1, 2, 4, 5):
-        assert f"step {step} loss" in out and f"step {step} loss nan" not in out, out
+        assert f"step {step} loss nan" not in out, out
         assert re.search(rf"step {step} loss [\d.]+ \(6 sub-groups updated\)", out), out
     assert f"hooks ran on: {hook_thread}" in out, out
     losses = re.search(r"first loss ([\d.]+) final loss ([\d.]+)", out)
