@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import os
 import time
@@ -157,9 +158,12 @@ def _superoffload(groups: Groups, plan: Plan) -> list[float]:
     grads = [g.clone() for _, g in groups]
     optimizer = SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=NUMEL)
     outstanding = 0
+    deadline = 0.0
 
     def take(result: dict[str, Any] | None) -> bool:
         if result is None:
+            if time.perf_counter() > deadline:  # stage 3 gives up after 60 s, too
+                raise TimeoutError("DeepSpeed's SuperOffload worker sent no result for 60 s")
             return False
         params[result[TaskKeys.SUB_GROUP_ID]].copy_(result[ResultKeys.UPDATED_PARAM])
         return True
@@ -168,6 +172,7 @@ def _superoffload(groups: Groups, plan: Plan) -> list[float]:
         times = []
         for _, t_b, overflow in plan:
             started = time.perf_counter()
+            deadline = started + t_b + 60.0
             for i, ready in enumerate(_ready_times(started, t_b)):
                 _wait_until(ready)
                 optimizer.async_step(0, i, params[i], grads[i], lr=LR)
@@ -213,6 +218,10 @@ async def _aoffload(groups: Groups, plan: Plan, **options: Any) -> list[float]:
                 await optimizer.drain()
             times.append(time.perf_counter() - started)
     return times
+
+
+def _run_aoffload(groups: Groups, plan: Plan, options: dict[str, Any]) -> list[float]:
+    return asyncio.run(_aoffload(groups, plan, **options))
 
 
 def _restoring(call: Callable[[], T]) -> T:
@@ -266,7 +275,7 @@ def run(report: Report, *, quick: bool) -> None:
     ):
         progress(f"overlap: {system}")
         try:
-            times = _restoring(lambda: asyncio.run(_aoffload(groups, plan, **options)))  # noqa: B023
+            times = _restoring(functools.partial(_run_aoffload, groups, plan, options))
         except Exception as exc:  # noqa: BLE001 - an aoffload error is a failure, reported
             report.fail(SECTION, system, exc)
             continue
