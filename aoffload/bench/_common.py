@@ -262,7 +262,7 @@ def render(report: Report) -> str:
             for r in ratios:
                 label = f" ({r.label})" if r.label else ""
                 lines.append(f"| {r.name} | {r.value:.2f}x{label} |")
-        for table in (t for t in report.tables if t.section == section):
+        for table in (t for t in report.tables if t.section == section and t.rows):
             lines.append(f"\n{table.title}\n")
             lines.append("| " + " | ".join(table.columns) + " |")
             lines.append("|" + " --- |" * len(table.columns))
