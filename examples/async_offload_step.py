@@ -1,20 +1,31 @@
-"""An async SuperOffload-style training step with aoffload.CPUAdam.
+"""Overlap the CPU optimizer with the backward pass, SuperOffload-style, with aoffload.CPUAdam.
 
-Each parameter is one sub-group with an fp32 master copy on the CPU. During backward, as
-soon as a parameter's gradient is ready, its sub-group is submitted to the CPU optimizer
-(a *speculative* step: the global overflow check has not run yet). While the worker steps
-the master copies, the trainer prepares the next batch and a task consumes
-``opt.results()``, copying each updated master into the model. If the step turns out to
-have overflowed, every speculative step is rolled back instead.
+Each parameter of a small MLP is one sub-group with an fp32 master copy on the CPU. During
+backward, as soon as a parameter's gradient is accumulated, a gradient hook copies it into
+the sub-group's registered (shared) grad buffer and submits the sub-group to the CPU
+optimizer: a *speculative* step, since the global overflow check has not run yet. The
+worker steps the masters of the last layers while autograd still computes the gradients of
+the first ones. After backward the trainer checks for overflow: if the step overflowed,
+every speculative step is rolled back; otherwise the updated masters are copied into the
+model.
 
-Run: ``python examples/async_offload_step.py [--backend auto|deepspeed|torch] [--steps N]``
+Which thread runs the hook? Autograd runs a CPU graph's backward, hooks included, on the
+thread that calls ``backward()``; for CUDA tensors it runs them on its own per-device
+thread. This example calls ``backward()`` in a worker thread (``asyncio.to_thread``) so
+that the event loop stays free while it runs, so here the hooks run off the loop thread;
+``CPUAdam`` is not thread-safe, so such a hook hands its submission to the loop with
+``loop.call_soon_threadsafe``. A hook that runs on the loop thread (``--backward-on-loop``)
+submits directly. The example prints which case it observed.
+
+Run: ``python examples/async_offload_step.py [--backend auto|deepspeed|torch] [--steps N]
+[--backward-on-loop]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import threading
 
 import torch
 
@@ -29,75 +40,114 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-async def apply_updates(opt: aoffload.CPUAdam, params: list[torch.nn.Parameter]) -> int:
-    applied = 0
-    async for result in opt.results():  # <- completion order, while other work proceeds
-        with torch.no_grad():
-            params[result.subgroup_id].copy_(result.param)  # master -> model
-        applied += 1
-    return applied
+class Submitter:
+    """Submits a sub-group from a gradient hook, on whichever thread autograd runs it."""
+
+    def __init__(self, opt: aoffload.CPUAdam, masters: list[torch.Tensor]) -> None:
+        self.opt = opt
+        self.masters = masters
+        self.grads = [torch.zeros_like(m) for m in masters]  # registered grad buffers
+        self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
+        self.lr = 0.01
+        self.threads: set[str] = set()  # where the hooks ran: printed, not needed
+        self.error: BaseException | None = None
+
+    def hook(self, index: int, param: torch.Tensor) -> None:
+        """``register_post_accumulate_grad_hook``: the gradient of ``param`` is ready."""
+        if param.grad is None:
+            return
+        self.grads[index].copy_(param.grad)  # <- no step of this sub-group is in flight
+        param.grad = None
+        if threading.get_ident() == self.loop_thread:
+            self.threads.add("the event loop thread")
+            self.submit(index)
+        else:
+            self.threads.add(f"another thread ({threading.current_thread().name})")
+            self.loop.call_soon_threadsafe(self.submit, index)  # <- to the loop, safely
+
+    def submit(self, index: int) -> None:
+        """On the loop thread: the speculative step of one sub-group."""
+        try:
+            self.opt.submit(0, index, self.masters[index], self.grads[index], lr=self.lr)
+        except Exception as exc:  # noqa: BLE001 - re-raised by check(), never lost
+            self.error = self.error or exc
+
+    def check(self) -> None:
+        """Raise the first error a submission from a hook met."""
+        if self.error is not None:
+            raise self.error
 
 
-async def train(backend: str, steps: int) -> float:
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+async def train(backend: str, steps: int, backward_on_loop: bool) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
+    )  # fmt: skip
     params = list(model.parameters())
-    masters = [p.detach().clone() for p in params]  # fp32 master copies (sub-groups)
-    grads = [torch.zeros_like(p) for p in params]  # the registered grad buffers
-    loop = asyncio.get_running_loop()
-    lr = 0.01
+    masters = [p.detach().clone() for p in params]  # fp32 master copies, one per sub-group
+    first = last = float("nan")
 
     async with aoffload.CPUAdam(
-        [{"lr": lr, "weight_decay": 0.01}],
+        [{"lr": 0.01, "weight_decay": 0.01}],
         backend=backend,
         exact_rollback=True,  # <- a step on an inf gradient is undone bit-exactly
     ) as opt:
+        submitter = Submitter(opt, masters)
         for i, master in enumerate(masters):
-            await opt.register(0, i, master, grads[i])  # <- shared memory, once, off the loop
-
-        def on_grad_ready(index: int, param: torch.nn.Parameter) -> None:
-            if param.grad is None:
-                return
-            grads[index].copy_(param.grad)
-            opt.submit(0, index, masters[index], grads[index], lr=lr)  # <- speculative step
-            param.grad = None
-
+            await opt.register(0, i, master, submitter.grads[i])  # <- shared memory, once
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad_ready(i, p))
+            p.register_post_accumulate_grad_hook(lambda p, i=i: submitter.hook(i, p))
 
-        batch = make_batch(0)
-        loss = torch.tensor(0.0)
         for step in range(steps):
-            x, y = batch
+            x, y = make_batch(step)
             out = torch.nn.functional.mse_loss(model(x), y)
-            loss = out.detach()
             scale = float("inf") if step == OVERFLOW_AT else 1.0
-            (out * scale).backward()  # hooks submit each sub-group as its grad is ready
+            before = [m.clone() for m in masters] if step == OVERFLOW_AT else None
+            if backward_on_loop:
+                (out * scale).backward()  # hooks submit each sub-group as its grad is ready
+            else:  # the loop stays free while autograd runs; hooks go through the loop
+                await asyncio.to_thread((out * scale).backward)
+            submitter.check()  # every hook's submission has run on the loop by now
 
-            overflow = not all(torch.isfinite(g).all() for g in grads)
+            overflow = not all(bool(torch.isfinite(g).all()) for g in submitter.grads)
+            results = await opt.drain()  # <- the speculative steps, all finished
             if overflow:
-                await opt.drain()  # the speculative steps finish, then are undone
                 for i, master in enumerate(masters):
-                    opt.submit(0, i, master, grads[i], rollback=True)  # <- rollback
-                await opt.drain()
-                logging.info("step %d overflowed: rolled back %d sub-groups", step, len(masters))
+                    opt.submit(0, i, master, submitter.grads[i], rollback=True)  # <- rollback
+                undone = await opt.drain()
+                exact = before is not None and all(
+                    torch.equal(a, b) for a, b in zip(before, masters, strict=True)
+                )
+                print(
+                    f"step {step} overflowed: rolled back {len(undone)} sub-groups, "
+                    f"masters restored exactly: {exact}"
+                )
                 continue
-
-            consumer = asyncio.create_task(apply_updates(opt, params))
-            batch = await loop.run_in_executor(None, make_batch, step + 1)  # next work
-            applied = await consumer
-            lr *= 0.95  # lr changes ride along with the next submits
-            logging.info("step %d loss %.4f (%d sub-groups updated)", step, loss.item(), applied)
-    return loss.item()
+            with torch.no_grad():
+                for result in results:
+                    params[result.subgroup_id].copy_(result.param)  # master -> model
+            first = out.item() if step == 0 else first
+            last = out.item()
+            submitter.lr *= 0.95  # lr changes ride along with the next submits
+            print(f"step {step} loss {last:.4f} ({len(results)} sub-groups updated)")
+        print(f"hooks ran on: {', '.join(sorted(submitter.threads))}")
+    return first, last
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "deepspeed", "torch"])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--backward-on-loop",
+        action="store_true",
+        help="call backward() on the event loop thread (it blocks the loop while it runs)",
+    )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    final = aoffload.run(train(args.backend, args.steps))
-    print(f"final loss {final:.4f}")
+    first, final = aoffload.run(train(args.backend, args.steps, args.backward_on_loop))
+    print(f"first loss {first:.4f} final loss {final:.4f}")
 
 
 if __name__ == "__main__":  # <- required: the worker is started with the spawn method

@@ -7,11 +7,12 @@ import json
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from ._common import Report, machine, progress, render
 
-SECTIONS = ("bridge", "checkpoint", "optimizer", "looplag")
+SECTIONS = ("bridge", "checkpoint", "optimizer", "overlap", "looplag")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m aoffload.bench",
         description="Measure aoffload against the systems people would use instead, in one run.",
     )
-    parser.add_argument("section", nargs="?", default="all", choices=(*SECTIONS, "all"))
+    parser.add_argument(
+        "section",
+        nargs="*",
+        help=f"what to measure: {', '.join(SECTIONS)} or all (the default)",
+    )
     parser.add_argument(
         "--size-gib",
         type=float,
@@ -43,33 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     size_gib = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 1.0)
-    sections = SECTIONS if args.section == "all" else (args.section,)
+    unknown = set(args.section) - {*SECTIONS, "all"}
+    if unknown:
+        parser.error(f"unknown section {sorted(unknown)}; choose from {', '.join(SECTIONS)}, all")
+    chosen = args.section or ["all"]
+    sections = SECTIONS if "all" in chosen else tuple(dict.fromkeys(chosen))
     report = Report()
     started = time.perf_counter()
     for section in sections:
-        if section == "bridge":
-            from . import _bridge
-
-            _bridge.run(report, quick=args.quick)
-        elif section == "checkpoint":
-            from . import _checkpoint
-
-            _checkpoint.run(
-                report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
-            )
-        elif section == "looplag":
-            from . import _looplag
-
-            _looplag.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
-        else:
-            from . import _optimizer
-
-            _optimizer.run(report, quick=args.quick)
+        try:
+            _run_section(section, report, args, size_gib)
+        except Exception as exc:  # noqa: BLE001 - a section that raised is a failure, reported
+            traceback.print_exc()
+            report.fail(section, "the whole section", exc)
     elapsed = time.perf_counter() - started
     progress(f"done in {elapsed:.0f} s")
     report.notes.append(
-        "medians of repetitions after one warm-up run that is excluded; ratios are between "
-        "figures measured in this run"
+        "medians of repetitions (n >= 3, min - max beside) after one warm-up run that is "
+        "excluded; a figure of fewer samples is labelled as such; ratios are between figures "
+        "measured in this run"
     )
     print(render(report))
     if args.json is not None:
@@ -86,12 +83,43 @@ def main(argv: list[str] | None = None) -> int:
             },
             "figures": [f.as_json() for f in report.figures],
             "ratios": [vars(r) for r in report.ratios],
+            "tables": [vars(t) for t in report.tables],
             "skipped": [vars(s) for s in report.skipped],
+            "failed": [vars(f) for f in report.failures],
             "notes": report.notes,
         }
         args.json.write_text(json.dumps(payload, indent=2))
         progress(f"wrote {args.json}")
+    if report.failures:
+        failed = "; ".join(f"{f.section} / {f.system}" for f in report.failures)
+        print(f"aoffload.bench: {len(report.failures)} failed: {failed}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _run_section(section: str, report: Report, args: argparse.Namespace, size_gib: float) -> None:
+    if section == "bridge":
+        from . import _bridge
+
+        _bridge.run(report, quick=args.quick)
+    elif section == "checkpoint":
+        from . import _checkpoint
+
+        _checkpoint.run(
+            report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
+        )
+    elif section == "optimizer":
+        from . import _optimizer
+
+        _optimizer.run(report, quick=args.quick)
+    elif section == "looplag":
+        from . import _looplag
+
+        _looplag.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
+    else:
+        from . import _overlap
+
+        _overlap.run(report, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Shared pieces of the benchmark: repetition statistics, progress, machine facts, output."""
+"""Shared pieces of the benchmark: repetition statistics, progress, machine facts, output.
+
+Honesty rules the report enforces: a figure of three or more samples is shown as its median
+with min - max; a figure of fewer is labelled (a single sample is never called a median); a
+ratio built on such a figure carries the label too; an aoffload measurement that raised is a
+*failure* (the run exits non-zero), while a third-party anchor that cannot run here is
+*skipped* with its reason.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +24,17 @@ def progress(message: str) -> None:
     print(f"[aoffload.bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+MIN_SAMPLES = 3
+"""A figure of fewer samples is labelled, not shown as a median."""
+
+
 @dataclass
 class Figure:
-    """One measured quantity of one system: the median of ``samples`` with min and max."""
+    """One measured quantity of one system: the median of ``samples`` with min and max.
+
+    With fewer than :data:`MIN_SAMPLES` samples it is labelled (:attr:`label`) and its
+    :attr:`value` is the single sample (or the mean of two), never called a median.
+    """
 
     section: str
     system: str
@@ -28,13 +43,45 @@ class Figure:
     samples: list[float]
     note: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.samples:
+            raise ValueError(f"{self.section} / {self.system} / {self.metric}: no samples")
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def label(self) -> str:
+        """Empty for a median of >= 3 samples, else what the value really is."""
+        if self.n >= MIN_SAMPLES:
+            return ""
+        return "single sample" if self.n == 1 else f"mean of {self.n} samples, too few for a median"
+
+    @property
+    def value(self) -> float:
+        """The median of >= 3 samples, else the single sample (or the mean of two)."""
+        if self.n >= MIN_SAMPLES:
+            return statistics.median(self.samples)
+        return statistics.fmean(self.samples)
+
     @property
     def median(self) -> float:
-        return statistics.median(self.samples)
+        """Kept for callers that read it; equals :attr:`value` (see :attr:`label`)."""
+        return self.value
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data.update(median=self.median, min=min(self.samples), max=max(self.samples))
+        many = self.n >= MIN_SAMPLES
+        data.update(
+            n=self.n,
+            value=self.value,
+            label=self.label,
+            single_sample=self.n == 1,
+            median=self.value if many else None,
+            min=min(self.samples) if many else None,
+            max=max(self.samples) if many else None,
+        )
         return data
 
 
@@ -48,14 +95,37 @@ class Skipped:
 
 
 @dataclass
+class Failure:
+    """An aoffload measurement that raised: the run reports it and exits non-zero."""
+
+    section: str
+    system: str
+    reason: str
+
+
+@dataclass
 class Ratio:
-    """``numerator / denominator`` of two figures' medians measured in the same run."""
+    """``numerator / denominator`` of two figures' values measured in the same run.
+
+    ``label`` is non-empty when either figure has fewer than :data:`MIN_SAMPLES` samples.
+    """
 
     section: str
     name: str
     value: float
     numerator: str
     denominator: str
+    label: str = ""
+
+
+@dataclass
+class Table:
+    """A summary table of one section, rows of already formatted cells (figures stay above)."""
+
+    section: str
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
 
 
 @dataclass
@@ -64,7 +134,9 @@ class Report:
 
     figures: list[Figure] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     ratios: list[Ratio] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def add(
@@ -81,23 +153,33 @@ class Report:
         return figure
 
     def skip(self, section: str, system: str, reason: str) -> None:
+        """A third-party anchor that cannot run here (never an aoffload system: see fail)."""
         progress(f"skipped {system}: {reason}")
         self.skipped.append(Skipped(section, system, reason))
 
+    def fail(self, section: str, system: str, error: BaseException | str) -> None:
+        """An aoffload measurement that raised: reported, and the run exits non-zero."""
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        progress(f"FAILED {section} / {system}: {reason}")
+        self.failures.append(Failure(section, system, reason[:2000]))
+
     def ratio(
         self, section: str, name: str, numerator: Figure | None, denominator: Figure | None
-    ) -> None:
-        if numerator is None or denominator is None or denominator.median == 0:
-            return
-        self.ratios.append(
-            Ratio(
-                section,
-                name,
-                numerator.median / denominator.median,
-                f"{numerator.system}: {numerator.metric}",
-                f"{denominator.system}: {denominator.metric}",
-            )
+    ) -> Ratio | None:
+        """Record ``numerator / denominator`` (nothing when either is missing or zero)."""
+        if numerator is None or denominator is None or denominator.value == 0:
+            return None
+        labels = [f"{f.system}: {f.label}" for f in (numerator, denominator) if f.label]
+        ratio = Ratio(
+            section,
+            name,
+            numerator.value / denominator.value,
+            f"{numerator.system}: {numerator.metric}",
+            f"{denominator.system}: {denominator.metric}",
+            "; ".join(labels),
         )
+        self.ratios.append(ratio)
+        return ratio
 
     def find(self, section: str, system: str, metric: str) -> Figure | None:
         for figure in self.figures:
@@ -154,6 +236,15 @@ def format_value(value: float, unit: str) -> str:
     return f"{value:.2f} {unit}"
 
 
+def _figure_row(f: Figure) -> str:
+    if f.label:
+        shown, spread = f"{format_value(f.value, f.unit)} ({f.label})", "—"
+    else:
+        low, high = format_value(min(f.samples), f.unit), format_value(max(f.samples), f.unit)
+        shown, spread = format_value(f.value, f.unit), f"{low} - {high}"
+    return f"| {f.system} | {f.metric} | {shown} | {spread} | {f.n} |"
+
+
 def render(report: Report) -> str:
     """The human-readable tables."""
     lines: list[str] = []
@@ -162,27 +253,28 @@ def render(report: Report) -> str:
         lines.append(f"\n## {section}\n")
         lines.append("| system | metric | median | min - max | n |")
         lines.append("| --- | --- | --- | --- | --- |")
-        for f in report.figures:
-            if f.section != section:
-                continue
-            spread = (
-                f"{format_value(min(f.samples), f.unit)} - {format_value(max(f.samples), f.unit)}"
-            )
-            lines.append(
-                f"| {f.system} | {f.metric} | {format_value(f.median, f.unit)} | "
-                f"{spread} | {len(f.samples)} |"
-            )
+        lines.extend(_figure_row(f) for f in report.figures if f.section == section)
         ratios = [r for r in report.ratios if r.section == section]
         if ratios:
             lines.append("")
             lines.append("| ratio | value |")
             lines.append("| --- | --- |")
             for r in ratios:
-                lines.append(f"| {r.name} | {r.value:.2f}x |")
+                label = f" ({r.label})" if r.label else ""
+                lines.append(f"| {r.name} | {r.value:.2f}x{label} |")
+        for table in (t for t in report.tables if t.section == section and t.rows):
+            lines.append(f"\n{table.title}\n")
+            lines.append("| " + " | ".join(table.columns) + " |")
+            lines.append("|" + " --- |" * len(table.columns))
+            lines.extend("| " + " | ".join(row) + " |" for row in table.rows)
     if report.skipped:
         lines.append("\n## skipped\n")
         for s in report.skipped:
             lines.append(f"- {s.section} / {s.system}: {s.reason}")
+    if report.failures:
+        lines.append("\n## FAILED\n")
+        for failure in report.failures:
+            lines.append(f"- {failure.section} / {failure.system}: {failure.reason}")
     for note in report.notes:
         lines.append(f"\nNote: {note}")
     return "\n".join(lines)

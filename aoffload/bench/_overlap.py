@@ -1,0 +1,385 @@
+"""Overlap section: the optimizer steps sub-groups while the backward pass still runs.
+
+A step is a simulated backward pass over 16 sub-groups of 1M fp32 parameters. Sub-group
+``i``'s gradient is ready at ``t0 + (i + 1) * t_b / 16``, on the schedule of an accelerator
+that computes on its own; the trainer waits for it (``time.sleep`` for the synchronous
+systems, ``await asyncio.sleep`` for aoffload: the trainer is idle, as while it waits for an
+accelerator), hands it to the optimizer at once, and the step ends when every sub-group is
+updated. The ideal step is ``max(t_b, t_adam) + t_adam / 16``: the backward or the optimizer,
+whichever is longer, plus the last sub-group's own step; ``t_adam`` is the in-process
+optimizer's 16 sub-group steps, measured in the same run.
+
+A second run makes one step in ten overflow (declared after the step; the gradients stay
+finite), so that every speculative sub-group step of that step is rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ._common import Figure, Report, Table, format_value, progress
+from ._optimizer import CONFIG, _deepspeed_in_process, _subgroups
+
+SECTION = "overlap"
+SUBGROUPS, NUMEL = 16, 1 << 20
+BACKWARDS = (0.0, 0.010, 0.030, 0.100)
+OVERFLOW_BACKWARD, OVERFLOW_EVERY = 0.030, 10
+LR = float(CONFIG["lr"])
+
+SEQUENTIAL = "in-process DeepSpeedCPUAdam, after the backward (sequential)"
+SUPEROFFLOAD = "DeepSpeed SuperOffloadCPUOptimizer (driven as stage 3 drives it)"
+PINNED = 0.8  # DeepSpeed's cpuadam_cores_perc default
+EXACT = "aoffload CPUAdam (defaults, exact_rollback=True)"
+IDEAL = "ideal: max(t_b, t_adam) + t_adam / 16"
+
+Groups = list[tuple[torch.Tensor, torch.Tensor]]
+# (what the step belongs to, t_b, whether it overflows); "warm-up" steps are not reported
+Plan = list[tuple[str, float, bool]]
+T = TypeVar("T")
+
+
+def _variants() -> tuple[str, str, float | None]:
+    """aoffload's defaults, named by what they are in the code being measured, and the
+    other ``worker_cores`` choice: ``None`` (no pinning), or pinned when that is the default."""
+    import aoffload
+
+    default = inspect.signature(aoffload.CPUAdam.__init__).parameters["worker_cores"].default
+    other = None if default is not None else PINNED
+    return (
+        f"aoffload CPUAdam (defaults: worker_cores={default!r})",
+        f"aoffload CPUAdam (worker_cores={other!r})",
+        other,
+    )
+
+
+def _metric(t_b: float) -> str:
+    return f"step, t_b = {t_b * 1e3:g} ms"
+
+
+def _ready_times(started: float, t_b: float) -> list[float]:
+    return [started + (i + 1) * t_b / SUBGROUPS for i in range(SUBGROUPS)]
+
+
+def _wait_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)  # the trainer blocked on its accelerator (simulated)
+
+
+async def _await_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        await asyncio.sleep(remaining)  # the trainer awaiting its accelerator (simulated)
+
+
+def _plan(reps: int, backwards: Sequence[float], windows: int) -> Plan:
+    plan: Plan = [("warm-up", 0.0, False)]
+    plan += [(_metric(t_b), t_b, False) for t_b in backwards for _ in range(reps)]
+    for _ in range(windows):
+        plan += [("window", OVERFLOW_BACKWARD, i == OVERFLOW_EVERY - 1) for i in range(10)]
+    return plan
+
+
+def _collect(plan: Plan, times: list[float]) -> dict[str, list[float]]:
+    """Step times by metric; overflow windows become their mean step and overflowed step."""
+    out: dict[str, list[float]] = {}
+    window: list[float] = []
+    for (key, _, overflow), seconds in zip(plan, times, strict=True):
+        if key == "window":
+            window.append(seconds)
+            if overflow:
+                out.setdefault("mean", []).append(sum(window) / len(window))
+                out.setdefault("overflowed", []).append(seconds)
+                window = []
+        elif key != "warm-up":
+            out.setdefault(key, []).append(seconds)
+    return out
+
+
+def _backward_alone(plan: Plan, *, asynchronous: bool) -> list[float]:
+    """The simulation's own floor: the schedule waited out with no optimizer at all."""
+
+    async def steps() -> list[float]:
+        times = []
+        for _, t_b, _ in plan:
+            started = time.perf_counter()
+            for ready in _ready_times(started, t_b):
+                await _await_until(ready)
+            times.append(time.perf_counter() - started)
+        return times
+
+    if asynchronous:
+        return asyncio.run(steps())
+    times = []
+    for _, t_b, _ in plan:
+        started = time.perf_counter()
+        for ready in _ready_times(started, t_b):
+            _wait_until(ready)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _sequential(groups: Groups, plan: Plan) -> tuple[list[float], list[float]]:
+    """In-process DeepSpeedCPUAdam after the backward; an overflowed step is skipped, as
+    a trainer that checks for overflow before stepping skips it. Returns step and
+    optimizer-only times."""
+    step = _deepspeed_in_process(groups)
+    times, adam = [], []
+    for _, t_b, overflow in plan:
+        started = time.perf_counter()
+        for ready in _ready_times(started, t_b):
+            _wait_until(ready)
+        optimizer_started = time.perf_counter()
+        if not overflow:
+            step()
+        ended = time.perf_counter()
+        times.append(ended - started)
+        adam.append(ended - optimizer_started)
+    return times, adam
+
+
+def _superoffload(groups: Groups, plan: Plan) -> list[float]:
+    """DeepSpeed's worker as ZeRO-3 SuperOffload drives it: ``async_step`` and one
+    non-blocking ``get_result`` per finished sub-group (``partition_grads``), then
+    ``get_result`` with 1 ms sleeps until all are back (``_wait_for_async_operations``),
+    each updated param copied into the fp32 partition; an overflow rolls back one
+    sub-group at a time (``_handle_overflow_rollback``)."""
+    from deepspeed.runtime.superoffload.superoffload_utils import (
+        EventTypes,
+        ResultKeys,
+        SuperOffloadCPUOptimizer,
+        TaskKeys,
+    )
+
+    params = [p.clone() for p, _ in groups]
+    grads = [g.clone() for _, g in groups]
+    optimizer = SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=NUMEL)
+    outstanding = 0
+    deadline = 0.0
+
+    def take(result: dict[str, Any] | None) -> bool:
+        if result is None:
+            if time.perf_counter() > deadline:  # stage 3 gives up after 60 s, too
+                raise TimeoutError("DeepSpeed's SuperOffload worker sent no result for 60 s")
+            return False
+        params[result[TaskKeys.SUB_GROUP_ID]].copy_(result[ResultKeys.UPDATED_PARAM])
+        return True
+
+    try:
+        times = []
+        for _, t_b, overflow in plan:
+            started = time.perf_counter()
+            deadline = started + t_b + 60.0
+            for i, ready in enumerate(_ready_times(started, t_b)):
+                _wait_until(ready)
+                optimizer.async_step(0, i, params[i], grads[i], lr=LR)
+                outstanding += 1
+                outstanding -= take(optimizer.get_result())
+            while outstanding:
+                if take(optimizer.get_result()):
+                    outstanding -= 1
+                else:
+                    time.sleep(0.001)  # DeepSpeed's own wait
+            if overflow:
+                for i in range(SUBGROUPS):
+                    optimizer.async_step(0, i, params[i], grads[i], rollback=True)
+                    while not take(optimizer.get_result(expected_event_type=EventTypes.ROLLBACK)):
+                        time.sleep(0.001)
+            times.append(time.perf_counter() - started)
+        return times
+    finally:
+        with contextlib.suppress(Exception):  # its close() only logs; nothing to report
+            optimizer.close()
+
+
+async def _aoffload(groups: Groups, plan: Plan, **options: Any) -> list[float]:
+    """aoffload's CPUAdam: submit each sub-group when ready, ``drain()`` at the end; an
+    overflow rolls back every sub-group at once."""
+    import aoffload
+
+    params = [p.clone() for p, _ in groups]
+    grads = [g.clone() for _, g in groups]
+    times = []
+    async with aoffload.CPUAdam([dict(CONFIG)], **options) as optimizer:
+        for i in range(SUBGROUPS):
+            await optimizer.register(0, i, params[i], grads[i])
+        for _, t_b, overflow in plan:
+            started = time.perf_counter()
+            for i, ready in enumerate(_ready_times(started, t_b)):
+                await _await_until(ready)
+                optimizer.submit(0, i, params[i], grads[i], lr=LR)
+            await optimizer.drain()
+            if overflow:
+                for i in range(SUBGROUPS):
+                    optimizer.submit(0, i, params[i], grads[i], rollback=True)
+                await optimizer.drain()
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def _run_aoffload(groups: Groups, plan: Plan, options: dict[str, Any]) -> list[float]:
+    return asyncio.run(_aoffload(groups, plan, **options))
+
+
+def _restoring(call: Callable[[], T]) -> T:
+    """Run ``call``, then put back this process's CPU affinity and torch threads
+    (DeepSpeed's worker re-pins the trainer and does not restore it)."""
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    threads = torch.get_num_threads()
+    try:
+        return call()
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def run(report: Report, *, quick: bool) -> None:
+    """Measure one training step's overlap of backward and optimizer, and overflow."""
+    reps = 3 if quick else 7
+    windows = 3 if quick else 5
+    groups = _subgroups(SUBGROUPS, NUMEL)
+    sweep, full = _plan(reps, BACKWARDS, 0), _plan(reps, BACKWARDS, windows)
+    overflow_only = _plan(0, (), windows)
+    default, alternative, other_cores = _variants()
+    measured: dict[str, dict[str, list[float]]] = {}
+    t_adam: Figure | None = None
+
+    progress(f"overlap: backward alone, {len(BACKWARDS)} x {reps} steps")
+    for name, asynchronous in (("time.sleep", False), ("asyncio.sleep", True)):
+        system = f"backward alone, no optimizer ({name})"
+        measured[system] = _collect(sweep, _backward_alone(sweep, asynchronous=asynchronous))
+
+    progress(f"overlap: {SEQUENTIAL}")
+    try:
+        times, adam = _restoring(lambda: _sequential(groups, full))
+        measured[SEQUENTIAL] = _collect(full, times)
+        adam = [a for (key, _, _), a in zip(full, adam, strict=True) if key.startswith("step")]
+        t_adam = report.add(SECTION, SEQUENTIAL, "optimizer alone (t_adam)", "s", adam)
+    except Exception as exc:  # noqa: BLE001 - a third-party anchor that cannot run is skipped
+        report.skip(SECTION, SEQUENTIAL, f"{type(exc).__name__}: {exc}"[:300])
+
+    progress(f"overlap: {SUPEROFFLOAD}")
+    try:
+        measured[SUPEROFFLOAD] = _collect(full, _restoring(lambda: _superoffload(groups, full)))
+    except Exception as exc:  # noqa: BLE001 - a third-party anchor that cannot run is skipped
+        report.skip(SECTION, SUPEROFFLOAD, f"{type(exc).__name__}: {exc}"[:300])
+
+    for system, plan, options in (
+        (default, full, {}),
+        (alternative, sweep, {"worker_cores": other_cores}),
+        (EXACT, overflow_only, {"exact_rollback": True}),
+    ):
+        progress(f"overlap: {system}")
+        try:
+            times = _restoring(functools.partial(_run_aoffload, groups, plan, options))
+        except Exception as exc:  # noqa: BLE001 - an aoffload error is a failure, reported
+            report.fail(SECTION, system, exc)
+            continue
+        measured[system] = _collect(plan, times)
+
+    report.notes.append(
+        f"overlap: the backward is simulated; sub-group i's gradient is ready (i + 1) * t_b / "
+        f"{SUBGROUPS} after the step starts, waited for with time.sleep (synchronous systems) "
+        "or asyncio.sleep (aoffload, on a plain asyncio loop; the 'backward alone' rows show "
+        "each wait's own overshoot); t_adam is the optimizer part of the sequential steps; "
+        "the overflow is declared after the step, the gradients stay finite"
+    )
+    _report(report, measured, t_adam, (default, alternative))
+
+
+def _report(
+    report: Report,
+    measured: dict[str, dict[str, list[float]]],
+    t_adam: Figure | None,
+    variants: tuple[str, str],
+) -> None:
+    default, alternative = variants
+    figures: dict[tuple[str, str], Figure] = {}
+    for system, by_metric in measured.items():
+        for metric in (_metric(t_b) for t_b in BACKWARDS):
+            if metric in by_metric:
+                figures[system, metric] = report.add(
+                    SECTION, system, metric, "s", by_metric[metric]
+                )
+    ideal: dict[float, Figure] = {}
+    if t_adam is None:
+        report.notes.append("overlap: no t_adam (in-process DeepSpeedCPUAdam skipped): no ideal")
+    else:
+        for t_b in BACKWARDS:
+            ideal[t_b] = report.add(
+                SECTION,
+                IDEAL,
+                _metric(t_b),
+                "s",
+                [max(t_b, a) + a / SUBGROUPS for a in t_adam.samples],
+                note="derived from each t_adam sample",
+            )
+    ours = [s for s in variants if s in measured]
+    rows: list[list[str]] = []
+    for system in (SEQUENTIAL, SUPEROFFLOAD, default, alternative):
+        if system not in measured:
+            continue
+        row = [system]
+        for t_b in BACKWARDS:
+            figure = figures.get((system, _metric(t_b)))
+            ratio = report.ratio(
+                SECTION, f"{system} / ideal, t_b = {t_b * 1e3:g} ms", figure, ideal.get(t_b)
+            )
+            cell = "—" if figure is None else format_value(figure.value, "s")
+            row.append(cell if ratio is None else f"{cell} ({ratio.value:.2f}x)")
+        rows.append(row)
+    for t_b in BACKWARDS:
+        metric = _metric(t_b)
+        for system in ours:
+            for anchor in (SEQUENTIAL, SUPEROFFLOAD):
+                report.ratio(
+                    SECTION,
+                    f"{anchor} / {system}, t_b = {t_b * 1e3:g} ms (> 1: aoffload faster)",
+                    figures.get((anchor, metric)),
+                    figures.get((system, metric)),
+                )
+    header = [f"t_b = {t_b * 1e3:g} ms" for t_b in BACKWARDS]
+    if ideal:
+        rows.append([IDEAL, *(format_value(ideal[t_b].value, "s") for t_b in BACKWARDS)])
+    report.tables.append(
+        Table(SECTION, "Step time (x the ideal), 16 x 1M sub-groups", ["system", *header], rows)
+    )
+    _report_overflow(report, measured, default)
+
+
+def _report_overflow(
+    report: Report, measured: dict[str, dict[str, list[float]]], default: str
+) -> None:
+    where = f"1 step in {OVERFLOW_EVERY} overflows, t_b = {OVERFLOW_BACKWARD * 1e3:g} ms"
+    rows = []
+    means: dict[str, Figure] = {}
+    for system in (SEQUENTIAL, SUPEROFFLOAD, default, EXACT):
+        by_metric = measured.get(system, {})
+        if "mean" not in by_metric:
+            continue
+        mean = means[system] = report.add(
+            SECTION, system, f"mean step, {where}", "s", by_metric["mean"]
+        )
+        worst = report.add(
+            SECTION, system, f"overflowed step, {where}", "s", by_metric["overflowed"]
+        )
+        rows.append([system, format_value(mean.value, "s"), format_value(worst.value, "s")])
+    report.ratio(
+        SECTION,
+        f"exact_rollback / algebraic rollback, mean step ({where})",
+        means.get(EXACT),
+        means.get(default),
+    )
+    report.tables.append(
+        Table(SECTION, f"Overflow: {where}", ["system", "mean step", "overflowed step"], rows)
+    )
