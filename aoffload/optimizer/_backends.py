@@ -84,7 +84,9 @@ class TorchBackend:
         self._lr[group_id] = lr
 
     def groups(self) -> tuple[GroupConfig, ...]:
-        return tuple(dataclasses.replace(g, lr=lr) for g, lr in zip(self._groups, self._lr))
+        return tuple(
+            dataclasses.replace(g, lr=lr) for g, lr in zip(self._groups, self._lr, strict=True)
+        )
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> None:
         self._groups = groups

@@ -389,5 +389,7 @@ class CPUAdam(AsyncResource):
             self._loading = False
         self._groups = plan.groups
         self._loaded = {
-            (gid, sid): numel for gid, sid, numel, *_ in plan.entries if (gid, sid) not in registered
+            (gid, sid): numel
+            for gid, sid, numel, *_ in plan.entries
+            if (gid, sid) not in registered
         }

@@ -21,12 +21,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from .._errors import OptimizerError
 from ._calls import Done
+
+if sys.version_info >= (3, 11):
+    _ExceptionGroup = ExceptionGroup  # noqa: F821 - a builtin from 3.11 on
+else:  # pragma: no cover - the backport, a dependency on 3.10
+    from exceptiongroup import ExceptionGroup as _ExceptionGroup
 
 __all__ = ["Outcomes", "Pending", "StepKind", "StepResult", "StepResults"]
 
@@ -177,7 +183,7 @@ class Outcomes:
         self.completed.extend(kept)
         if len(errors) == 1:
             raise next(iter(errors.values()))
-        raise ExceptionGroup(
+        raise _ExceptionGroup(
             f"{len(errors)} CPUAdam steps failed ({len(kept)} results kept for the next "
             "drain() or results())",
             list(errors.values()),

@@ -93,10 +93,12 @@ class AdamService(Service):
         if self._exact:
             self._backups[key] = Backup(numel)
         if waiting is not None:
-            self._backend.load(*key, *waiting)
+            step, exp_avg, exp_avg_sq = waiting
+            self._backend.load(*key, step, exp_avg, exp_avg_sq)
 
     def _allocate(self, request: Allocate) -> torch.Tensor:
-        buffer = torch.empty(request.numel, dtype=torch.float32).share_memory_()
+        buffer = torch.empty(request.numel, dtype=torch.float32)
+        buffer.share_memory_()  # type: ignore[no-untyped-call]
         self._buffers[request.buffer_id] = buffer
         return buffer
 

@@ -241,9 +241,7 @@ def _moment(entry: Mapping[str, Any], name: str, where: str, numel: int | None) 
     return tensor
 
 
-def parse(
-    state_dict: object, groups: int, registered: Mapping[tuple[int, int], int]
-) -> LoadPlan:
+def parse(state_dict: object, groups: int, registered: Mapping[tuple[int, int], int]) -> LoadPlan:
     """Validate ``state_dict`` against ``groups`` groups and the ``registered`` numels."""
     if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
         raise OptimizerError(
