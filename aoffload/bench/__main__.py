@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             from . import _optimizer
 
             _optimizer.run(report, quick=args.quick)
+            from . import _optimizer_state
+
+            _optimizer_state.run(report, quick=args.quick)
     elapsed = time.perf_counter() - started
     progress(f"done in {elapsed:.0f} s")
     report.notes.append(

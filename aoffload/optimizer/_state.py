@@ -123,25 +123,18 @@ class StateTransfer:
         total = 2 * sum(numels)
         buffer = self._acquire(bridge, total) if total else None
         reply = bridge.call(Snapshot(-1 if buffer is None else buffer.id, tuple(keys)))
-        result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-
-        def build(done: asyncio.Future[StateInfo]) -> None:
-            mark_retrieved(done)
-            if result.cancelled():
-                return  # nothing was handed out: the buffer is free again
-            if done.exception() is not None:
-                result.set_exception(done.exception())  # type: ignore[arg-type]
-                return
-            flat = torch.empty(0) if buffer is None else buffer.tensor.result()
-            result.set_result(_state_dict(done.result(), keys, numels, flat))
-            if buffer is not None and _use_count is None:
-                self._forget(bridge, buffer)  # cannot tell when it is free: never reuse it
-
-        reply.add_done_callback(build)
-        if buffer is not None:
-            buffer.hold(reply)  # released after build() made the views
+        if buffer is None:
+            return _state_dict(await reply, keys, numels, torch.empty(0))
+        buffer.hold(reply)  # busy until the worker wrote it, even if this wait is cancelled
+        try:
+            info = await reply
+            # Still claimed here: the views exist before anyone else may take the buffer.
+            state = _state_dict(info, keys, numels, buffer.tensor.result())
+        finally:
             buffer.busy -= 1
-        return await result
+        if _use_count is None:
+            self._forget(bridge, buffer)  # cannot tell when it is free: never reuse it
+        return state
 
     async def load(self, bridge: Bridge, plan: LoadPlan, executor: Any) -> None:
         """Stage ``plan``'s moments in a buffer (on ``executor``), then load them at once."""
