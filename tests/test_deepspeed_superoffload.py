@@ -50,8 +50,15 @@ def wait_result(opt: Any, expected: str | None = None, timeout: float = 30.0) ->
     raise TimeoutError("no result")
 
 
-def run_sequence(opt: Any) -> dict[int, torch.Tensor]:
-    """Drive one optimizer through ROUNDS exactly as DeepSpeed's stage 3 would."""
+def run_sequence(opt: Any, *, fresh: bool = False) -> dict[int, torch.Tensor]:
+    """Drive one optimizer through ROUNDS exactly as DeepSpeed's stage 3 would.
+
+    ``fresh``: pass new tensors (copies) on every call, which DeepSpeed's class accepts.
+    """
+
+    def give(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone() if fresh else tensor
+
     gen = torch.Generator().manual_seed(1234)
     params = {sub: torch.randn(numel, generator=gen) for _, sub, numel in SUBGROUPS}
     grads = {sub: torch.empty(numel) for _, sub, numel in SUBGROUPS}
@@ -59,7 +66,7 @@ def run_sequence(opt: Any) -> dict[int, torch.Tensor]:
     for lr, rollbacks in ROUNDS:
         for group, sub, _ in SUBGROUPS:
             grads[sub].copy_(torch.randn(grads[sub].shape, generator=gen))
-            opt.async_step(group, sub, params[sub], grads[sub], lr=lr)
+            opt.async_step(group, sub, give(params[sub]), give(grads[sub]), lr=lr)
         for _ in SUBGROUPS:
             result = wait_result(opt)
             assert result[reference.ResultKeys.EVENT_TYPE] == reference.EventTypes.ADAM_STEP
@@ -68,7 +75,7 @@ def run_sequence(opt: Any) -> dict[int, torch.Tensor]:
             params[sub].copy_(updated[sub])
         for sub in rollbacks:
             group = next(g for g, s, _ in SUBGROUPS if s == sub)
-            opt.async_step(group, sub, params[sub], grads[sub], rollback=True)
+            opt.async_step(group, sub, give(params[sub]), give(grads[sub]), rollback=True)
             result = wait_result(opt, expected=reference.EventTypes.ROLLBACK)
             assert result[reference.TaskKeys.PARAM_GROUP_ID] == group
             updated[sub] = result[reference.ResultKeys.UPDATED_PARAM].clone()
@@ -84,10 +91,10 @@ def make_ours(**kwargs: Any) -> Any:
     return SuperOffloadCPUOptimizer(GROUPS, max_grad_numel=4096, **kwargs)
 
 
-def closing(factory: Callable[[], Any]) -> Any:
+def closing(factory: Callable[[], Any], *, fresh: bool = False) -> Any:
     opt = factory()
     try:
-        return run_sequence(opt)
+        return run_sequence(opt, fresh=fresh)
     finally:
         opt.close()
 
@@ -110,12 +117,38 @@ def test_bit_identical_to_deepspeeds_class() -> None:
     # Run again under a leak check, now that the process-wide one-time state exists
     # (multiprocessing's resource tracker, libuv's signal pipe).
     before = Snapshot.take()
-    again = closing(lambda: make_ours(cpuadam_cores_perc=1.0, backend="deepspeed"))
+    # ...and with new tensors on every call, which DeepSpeed's class accepts too.
+    again = closing(lambda: make_ours(cpuadam_cores_perc=1.0, backend="deepspeed"), fresh=True)
     assert theirs.keys() == ours.keys()
     for sub, param in theirs.items():
         assert torch.equal(ours[sub], param), sub
         assert torch.equal(again[sub], param), sub
     assert Snapshot.take().leaked_since(before) == []
+
+
+def test_state_dict_round_trip_and_new_tensors_while_a_step_is_in_flight() -> None:
+    opt = make_ours()
+    try:
+        param, grad = torch.randn(64), torch.randn(64)
+        opt.async_step(0, 0, param, grad)
+        opt.async_step(0, 0, param.clone(), grad.clone())  # waits for the first, then copies
+        first, second = wait_result(opt), wait_result(opt)
+        assert (
+            first[reference.ResultKeys.UPDATED_PARAM] is second[reference.ResultKeys.UPDATED_PARAM]
+        )
+        saved = opt.state_dict()
+        assert saved["state"][0][0]["step"] == 2
+        kept = saved["state"][0][0]["exp_avg"].clone()
+        opt.async_step(0, 0, torch.randn(64), torch.randn(64))
+        wait_result(opt)
+        opt.load_state_dict(saved)
+        again = opt.state_dict()
+        assert again["state"][0][0]["step"] == 2
+        assert torch.equal(again["state"][0][0]["exp_avg"], kept)
+        with pytest.raises(aoffload.OptimizerError, match="registered with 64 elements"):
+            opt.async_step(0, 0, torch.randn(65), torch.randn(65))
+    finally:
+        opt.close()
 
 
 def test_get_result_is_non_blocking_and_raises_promptly_after_sigkill() -> None:

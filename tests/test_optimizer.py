@@ -79,7 +79,8 @@ async def test_torch_backend_matches_adamw(adamw_expected: dict[int, torch.Tenso
         torch.testing.assert_close(params[sg], expected, rtol=1e-5, atol=1e-6)
 
 
-async def steps_then_rollback(opt: CPUAdam, exact_check: bool) -> None:
+async def steps_then_rollback(opt: CPUAdam, exact_check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps and a rollback; returns sub-group (0, 0)'s registered param and grad."""
     a, b = torch.randn(300), None
     b = a.clone()
     ga, gb = torch.zeros(300), torch.zeros(300)
@@ -103,14 +104,14 @@ async def steps_then_rollback(opt: CPUAdam, exact_check: bool) -> None:
     opt.submit(0, 1, b, gb)
     await opt.drain()
     assert torch.equal(a, b) == exact_check
+    return a, ga
 
 
 async def test_exact_rollback_restores_bytes() -> None:
     async with CPUAdam(
         sched.GROUPS, backend="torch", exact_rollback=True, worker_cores=None
     ) as opt:
-        await steps_then_rollback(opt, exact_check=True)
-        p, g = _registered(opt, 0, 0)
+        p, g = await steps_then_rollback(opt, exact_check=True)
         opt.submit(0, 0, p, g, rollback=True)
         opt.submit(0, 0, p, g, rollback=True)  # exact rollback keeps one pre-step copy
         with pytest.raises(aoffload.RemoteError, match="no step since its last rollback"):
@@ -121,11 +122,6 @@ async def test_exact_rollback_restores_bytes() -> None:
 def aoffload_optimizer_options() -> dict[str, object]:
     """The plugin's optimizer, without the CPU split (as every test here but the affinity one)."""
     return {"backend": "torch", "worker_cores": None}
-
-
-def _registered(opt: CPUAdam, gid: int, sg: int) -> tuple[torch.Tensor, torch.Tensor]:
-    sub = opt._subgroups[gid, sg]
-    return sub.param, sub.grad
 
 
 async def test_algebraic_rollback_is_close_but_not_exact() -> None:

@@ -109,9 +109,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
             report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
         )
     elif section == "optimizer":
-        from . import _optimizer
+        from . import _optimizer, _optimizer_state
 
         _optimizer.run(report, quick=args.quick)
+        _optimizer_state.run(report, quick=args.quick)
     elif section == "looplag":
         from . import _looplag
 

@@ -8,6 +8,7 @@ under a SuperOffload stage-3 optimizer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 from collections.abc import Mapping, Sequence
@@ -58,9 +59,19 @@ class SuperOffloadCPUOptimizer:
     """Drop-in for DeepSpeed's ``SuperOffloadCPUOptimizer``, backed by :class:`aoffload.CPUAdam`.
 
     Same constructor, ``async_step`` / ``get_result`` / ``close``, result keys (``TaskKeys``,
-    ``ResultKeys``) and event types (``"adam_step"``, ``"rollback"``) as DeepSpeed's class. The
-    step runs in aoffload's worker on ``fp32_param`` in place (its storage moves to shared
-    memory on the first step), and the result's ``updated_param`` is that same tensor.
+    ``ResultKeys``) and event types (``"adam_step"``, ``"rollback"``) as DeepSpeed's class.
+
+    Tensors: like DeepSpeed's, ``async_step`` takes any param and grad on every call. The
+    first call of a sub-group registers its tensors (their storage moves to shared memory
+    in place; pinned tensors are copied into shared ones instead); a later call with the
+    same tensors sends no data, and the step updates ``fp32_param`` in place. A call with
+    other tensors copies them into the registered memory (once that sub-group's earlier
+    steps are done, which it waits for). Either way the result's ``updated_param`` is the
+    registered tensor holding the updated values, as DeepSpeed's result holds the stepped
+    tensor; DeepSpeed's stage 3 copies it into its own master copy.
+
+    State: :meth:`state_dict` and :meth:`load_state_dict` (synchronous) return and restore
+    the optimizer state as :meth:`aoffload.CPUAdam.state_dict` does, for checkpoints.
 
     Differences, all deliberate: ``get_result()`` stays non-blocking but raises
     :class:`aoffload.WorkerDiedError` once the worker is dead (instead of returning ``None``
@@ -69,12 +80,15 @@ class SuperOffloadCPUOptimizer:
     ``max_grad_numel`` raises :class:`aoffload.OptimizerError` at once instead of killing the
     worker. ``backend`` and ``exact_rollback`` are passed to :class:`aoffload.CPUAdam`;
     ``pin_memory`` is accepted for compatibility (there is no accelerator copy to speed up).
+    ``cpuadam_cores_perc`` defaults to ``None`` (DeepSpeed's is 0.8): the worker and the
+    trainer share every CPU, which measured faster when the trainer waits for the results
+    (see :class:`aoffload.CPUAdam`'s ``worker_cores``); a fraction splits them.
     """
 
     def __init__(
         self,
         optimizer_config: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-        cpuadam_cores_perc: float = 0.8,
+        cpuadam_cores_perc: float | None = None,
         max_grad_numel: int = 1000000,
         pin_memory: bool = True,
         *,
@@ -82,13 +96,19 @@ class SuperOffloadCPUOptimizer:
         exact_rollback: bool = False,
         start_timeout: float = 60.0,
     ) -> None:
-        if not 0 < cpuadam_cores_perc <= 1:
+        if cpuadam_cores_perc is not None and not 0 < cpuadam_cores_perc <= 1:
             raise OptimizerError("cpuadam_cores_perc must be between 0 and 1")
         self.max_grad_numel = max_grad_numel
         self.pin_memory = pin_memory
         self._results: queue.SimpleQueue[dict[str, Any] | BaseException] = queue.SimpleQueue()
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
+        # The trainer thread's view: the memory each sub-group registered.
+        self._registered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # The portal loop's view: steps sent and not yet answered, in the worker's order.
+        self._order: collections.deque[tuple[int, int]] = collections.deque()
+        self._in_flight: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._watchers: list[asyncio.Future[None]] = []
         self._optimizer = CPUAdam(
             param_groups=_param_groups(optimizer_config),
             backend=backend,
@@ -98,7 +118,7 @@ class SuperOffloadCPUOptimizer:
         )
         self._portal = Portal("superoffload")
         try:
-            self._portal.call(self._optimizer.__aenter__())
+            self._portal.call(self._open())
         except BaseException:
             self._portal.close()
             raise
@@ -115,6 +135,10 @@ class SuperOffloadCPUOptimizer:
         if self._optimizer.pid is None:
             raise WorkerDiedError("cpu-adam", self._pid, None)
 
+    async def _open(self) -> None:
+        await self._optimizer.start()
+        self._pump = asyncio.get_running_loop().create_task(self._pump_results())
+
     async def _submit(
         self,
         param_group_id: int,
@@ -127,25 +151,81 @@ class SuperOffloadCPUOptimizer:
         self._optimizer.submit(
             param_group_id, sub_group_id, fp32_param, fp32_grad, lr=lr, rollback=rollback
         )
-        if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._pump_results())
+        key = (param_group_id, sub_group_id)
+        self._order.append(key)
+        self._in_flight[key] += 1
+
+    def _answered(self) -> None:
+        if self._order:
+            key = self._order.popleft()
+            self._in_flight[key] -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        watchers, self._watchers = self._watchers, []
+        for watcher in watchers:
+            if not watcher.done():
+                watcher.set_result(None)
+
+    async def _until(self, condition: Any) -> None:
+        """Wait until ``condition()`` holds or the pump has ended (the worker is gone)."""
+        while not condition() and not (self._pump is None or self._pump.done()):
+            watcher = asyncio.get_running_loop().create_future()
+            self._watchers.append(watcher)
+            await watcher
+
+    async def _idle(self, key: tuple[int, int]) -> None:
+        await self._until(lambda: not self._in_flight[key])
 
     async def _settle(self) -> None:
-        if self._pump is not None:
-            await asyncio.wait({self._pump})
+        await self._until(lambda: not self._order)
 
     async def _pump_results(self) -> None:
-        # results() ends when nothing is outstanding; the next _submit starts a new pump.
-        while True:
-            try:
-                async for result in self._optimizer.results():
+        # One consumer for the optimizer's life: results(follow=True) ends at the close.
+        results = self._optimizer.results(follow=True)
+        try:
+            while True:
+                try:
+                    result = await anext(results)
+                except StopAsyncIteration:
+                    return
+                except RemoteError as exc:  # that step failed; the worker serves on
+                    self._results.put(exc)
+                except AoffloadError as exc:  # the worker died: nothing more will come
+                    self._results.put(exc)
+                    return
+                else:
                     self._results.put(_as_result(result))
-            except RemoteError as exc:
-                self._results.put(exc)
-                continue
-            except AoffloadError as exc:
-                self._results.put(exc)
-            return
+                self._answered()
+        finally:
+            self._wake()
+
+    def _tensors(
+        self, key: tuple[int, int], param: torch.Tensor, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The registered tensors of ``key``, with ``param`` and ``grad`` copied in if needed."""
+        registered = self._registered.get(key)
+        if registered is None:
+            if _pinned(param) or _pinned(grad):  # cannot move to shared memory in place
+                param, grad = param.detach().clone(), grad.detach().clone()
+            self._registered[key] = (param, grad)
+            return param, grad
+        own_param, own_grad = registered
+        same_param = param.data_ptr() == own_param.data_ptr()
+        same_grad = grad.data_ptr() == own_grad.data_ptr()
+        if same_param and same_grad and param.numel() == own_param.numel():
+            return registered
+        if param.numel() != own_param.numel() or grad.numel() != own_grad.numel():
+            raise OptimizerError(
+                f"sub-group {key[1]} of group {key[0]} was registered with "
+                f"{own_param.numel()} elements, got param {param.numel()} / grad {grad.numel()}"
+            )
+        self._portal.call(self._idle(key))  # the registered memory is in use until then
+        if not same_param:
+            own_param.copy_(param.reshape(own_param.shape))
+        if not same_grad:
+            own_grad.copy_(grad.reshape(own_grad.shape))
+        return registered
 
     def async_step(
         self,
@@ -163,9 +243,15 @@ class SuperOffloadCPUOptimizer:
                 f"gradient of {fp32_grad.numel()} elements exceeds max_grad_numel="
                 f"{self.max_grad_numel}"
             )
-        self._portal.call(
-            self._submit(param_group_id, sub_group_id, fp32_param, fp32_grad, rollback, lr)
-        )
+        key = (param_group_id, sub_group_id)
+        new = key not in self._registered
+        param, grad = self._tensors(key, fp32_param, fp32_grad)
+        try:
+            self._portal.call(self._submit(param_group_id, sub_group_id, param, grad, rollback, lr))
+        except BaseException:
+            if new:
+                self._registered.pop(key, None)  # not registered: the next call tries again
+            raise
 
     def get_result(self, expected_event_type: str | None = None) -> dict[str, Any] | None:
         """The next finished step's result dict, or ``None`` when none has finished yet.
@@ -195,6 +281,19 @@ class SuperOffloadCPUOptimizer:
             )
         return item
 
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state after every step submitted so far (see :meth:`CPUAdam.state_dict`).
+
+        Waits for those steps; their results still come from :meth:`get_result`.
+        """
+        self._check_alive()
+        return self._portal.call(self._optimizer.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` (see :meth:`CPUAdam.load_state_dict`)."""
+        self._check_alive()
+        self._portal.call(self._optimizer.load_state_dict(state_dict))
+
     def close(self) -> None:
         """Stop the worker (draining queued steps, with a bound) and the portal; idempotent."""
         if self._closed:
@@ -204,6 +303,13 @@ class SuperOffloadCPUOptimizer:
             self._portal.call(self._optimizer.aclose())
         finally:
             self._portal.close()
+
+
+def _pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:  # no accelerator runtime: nothing can be pinned
+        return False
 
 
 def install_superoffload(target: Any, **options: Any) -> SuperOffloadCPUOptimizer:

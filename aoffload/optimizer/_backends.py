@@ -6,16 +6,23 @@
 * ``torch``: the same math (AdamW with DeepSpeed's bias correction and weight-decay
   convention) and the same algebraic rollback in PyTorch ops, except that second
   moments driven below zero by the rollback's rounding are clamped at zero.
+
+Both export and import a sub-group's state in one layout (step count, flat ``exp_avg``
+and ``exp_avg_sq``), so a state saved on one backend loads into the other. DeepSpeed's
+op also carries a bias-correction state across calls (see :class:`DeepSpeedBackend`):
+it is tracked, exported and replayed so that a resumed run takes bit-identical steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-from ._calls import GroupConfig
+from ._calls import GroupConfig, Kernel
 
 __all__ = ["Backup", "DeepSpeedBackend", "NoStepError", "TorchBackend"]
 
@@ -76,8 +83,51 @@ class TorchBackend:
     def set_lr(self, group_id: int, lr: float) -> None:
         self._lr[group_id] = lr
 
-    def state(self, group_id: int, subgroup_id: int) -> _Moments:
-        return self._subgroups[group_id, subgroup_id]
+    def groups(self) -> tuple[GroupConfig, ...]:
+        return tuple(
+            dataclasses.replace(g, lr=lr) for g, lr in zip(self._groups, self._lr, strict=True)
+        )
+
+    def set_groups(self, groups: tuple[GroupConfig, ...]) -> None:
+        self._groups = groups
+        self._lr = [group.lr for group in groups]
+
+    def kernel(self) -> Kernel | None:
+        return None  # the torch math has no state across calls
+
+    def set_kernel(self, kernel: Kernel | None) -> None:
+        return None
+
+    def export(
+        self, group_id: int, subgroup_id: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> int:
+        state = self._subgroups[group_id, subgroup_id]
+        if state.exp_avg is None or state.exp_avg_sq is None:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+        else:
+            exp_avg.copy_(state.exp_avg)
+            exp_avg_sq.copy_(state.exp_avg_sq)
+        return state.step
+
+    def load(
+        self,
+        group_id: int,
+        subgroup_id: int,
+        step: int,
+        exp_avg: torch.Tensor | None,
+        exp_avg_sq: torch.Tensor | None,
+    ) -> None:
+        state = self._subgroups[group_id, subgroup_id]
+        state.step = step
+        if step == 0 or exp_avg is None or exp_avg_sq is None:
+            state.exp_avg = state.exp_avg_sq = None
+            return
+        if state.exp_avg is None or state.exp_avg_sq is None:
+            state.exp_avg = torch.empty_like(state.param)
+            state.exp_avg_sq = torch.empty_like(state.param)
+        state.exp_avg.copy_(exp_avg)
+        state.exp_avg_sq.copy_(exp_avg_sq)
 
     @torch.no_grad()
     def step(self, group_id: int, subgroup_id: int) -> int:
@@ -159,8 +209,19 @@ class TorchBackend:
         return state.step
 
 
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
 class DeepSpeedBackend:
-    """DeepSpeed's ``DeepSpeedCPUAdam``, built and driven as DeepSpeed's own worker does."""
+    """DeepSpeed's ``DeepSpeedCPUAdam``, built and driven as DeepSpeed's own worker does.
+
+    DeepSpeed's C++ op keeps ``beta**step`` across calls: a step number one above the
+    previous call's multiplies it by ``beta``, the same number keeps it, anything else
+    (or other betas) recomputes it with ``pow``. The product and ``pow`` can differ in
+    the last bit, so the next step depends on that history. :attr:`_kernel` mirrors it
+    as ``(anchor, step, beta1, beta2)``; :meth:`set_kernel` replays it into the op.
+    """
 
     name = "deepspeed"
 
@@ -193,6 +254,7 @@ class DeepSpeedBackend:
         for param_group in self._optimizer.param_groups:
             param_group["params"] = []
         self._params: dict[tuple[int, int], torch.nn.Parameter] = {}
+        self._kernel: Kernel = (0, 0, _f32(first.beta1), _f32(first.beta2))  # a new op's state
 
     def register(
         self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
@@ -203,6 +265,57 @@ class DeepSpeedBackend:
 
     def set_lr(self, group_id: int, lr: float) -> None:
         self._optimizer.param_groups[group_id]["lr"] = lr
+
+    def groups(self) -> tuple[GroupConfig, ...]:
+        return tuple(
+            GroupConfig(
+                lr=float(g["lr"]),
+                beta1=float(g["betas"][0]),
+                beta2=float(g["betas"][1]),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+                bias_correction=bool(g["bias_correction"]),
+            )
+            for g in self._optimizer.param_groups
+        )
+
+    def set_groups(self, groups: tuple[GroupConfig, ...]) -> None:
+        for param_group, group in zip(self._optimizer.param_groups, groups, strict=True):
+            param_group.update(
+                lr=group.lr,
+                betas=(group.beta1, group.beta2),
+                eps=group.eps,
+                weight_decay=group.weight_decay,
+                bias_correction=group.bias_correction,
+            )
+
+    def kernel(self) -> Kernel | None:
+        return self._kernel
+
+    def _advance(self, step: int, beta1: float, beta2: float) -> None:
+        # Mirrors Adam_Optimizer::IncrementStep (deepspeed/ops/csrc/includes/cpu_adam.h).
+        anchor, current, b1, b2 = self._kernel
+        beta1, beta2 = _f32(beta1), _f32(beta2)
+        if (beta1, beta2) != (b1, b2) or step not in (current, current + 1):
+            self._kernel = (step, step, beta1, beta2)
+        else:
+            self._kernel = (anchor, step, b1, b2)
+
+    def set_kernel(self, kernel: Kernel | None) -> None:
+        """Drive the op into ``kernel``'s state with calls on a one-element scratch tensor."""
+        if kernel is None:
+            return
+        anchor, step, beta1, beta2 = kernel
+        scratch = [torch.zeros(1) for _ in range(4)]
+        update = self._optimizer.ds_opt_adam.adam_update
+        opt_id = self._optimizer.opt_id
+        # Other betas force the pow branch twice: once away, once onto beta**anchor...
+        calls = [(1, beta1 / 2, beta2 / 2), (anchor, beta1, beta2)]
+        # ...then one multiplication per step, as the saved op did.
+        calls += [(s, beta1, beta2) for s in range(anchor + 1, step + 1)]
+        for s, b1, b2 in calls:
+            update(opt_id, s, 0.0, b1, b2, 1e-8, 0.0, True, *scratch)
+        self._kernel = (anchor, step, _f32(beta1), _f32(beta2))
 
     def _state(self, group_id: int, subgroup_id: int) -> dict[str, Any]:
         state: dict[str, Any] = self._optimizer.state[group_id, subgroup_id]
@@ -216,7 +329,10 @@ class DeepSpeedBackend:
             if rollback:
                 self._optimizer.rollback_subgroup((group_id, subgroup_id))
             else:
+                state = self._optimizer.state.get((group_id, subgroup_id))
+                step = int(state["step"]) + 1 if state else 1
                 self._optimizer.step_subgroup((group_id, subgroup_id))
+                self._advance(step, *param_group["betas"])
         finally:
             param_group["params"] = []
         return int(self._state(group_id, subgroup_id)["step"])
@@ -231,6 +347,38 @@ class DeepSpeedBackend:
                 f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
             )
         return self._run(group_id, subgroup_id, rollback=True)
+
+    def export(
+        self, group_id: int, subgroup_id: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> int:
+        state = self._optimizer.state.get((group_id, subgroup_id))
+        if not state:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+            return 0
+        exp_avg.copy_(state["exp_avg"].view(-1))
+        exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
+        return int(state["step"])
+
+    def load(
+        self,
+        group_id: int,
+        subgroup_id: int,
+        step: int,
+        exp_avg: torch.Tensor | None,
+        exp_avg_sq: torch.Tensor | None,
+    ) -> None:
+        if step == 0 or exp_avg is None or exp_avg_sq is None:
+            self._optimizer.state.pop((group_id, subgroup_id), None)
+            return
+        param = self._params[group_id, subgroup_id].data
+        state = self._optimizer.state[group_id, subgroup_id]
+        if not state:
+            state["exp_avg"] = torch.empty_like(param)
+            state["exp_avg_sq"] = torch.empty_like(param)
+        state["exp_avg"].view(-1).copy_(exp_avg)
+        state["exp_avg_sq"].view(-1).copy_(exp_avg_sq)
+        state["step"] = step
 
     def snapshot(self, group_id: int, subgroup_id: int, backup: Backup) -> None:
         backup.param.copy_(self._params[group_id, subgroup_id].data.view(-1))

@@ -3,6 +3,10 @@
 The trainer registers each sub-group once (:class:`Register` carries the param and
 grad tensors, whose storage is already in shared memory, so the worker maps the very
 same bytes); every later :class:`Step` carries only ids, the learning rate and a flag.
+
+Optimizer state moves through shared *state buffers* that the worker allocates once
+(:class:`Allocate`) and both sides map: :class:`Snapshot` copies the moments into one,
+:class:`Load` copies them out of one. Those calls carry ids, offsets and scalars only.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ __all__ = [
     "GetInfo",
     "GroupConfig",
     "Info",
+    "Kernel",
+    "Load",
     "Register",
+    "Release",
+    "Snapshot",
+    "StateInfo",
     "Step",
 ]
 
@@ -92,3 +101,63 @@ class Step(Call[Done]):
     subgroup_id: int
     lr: float | None
     rollback: bool
+
+
+Kernel = tuple[int, int, float, float]
+"""DeepSpeed's CPU Adam bias-correction state: (anchor step, step, beta1, beta2).
+
+``beta**anchor`` was computed with ``pow``, then multiplied by ``beta`` once per step
+up to ``step``; the next step's rounding depends on it (see ``_backends``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate(Call[torch.Tensor]):
+    """Trainer -> worker: allocate state buffer ``buffer_id`` of ``numel`` float32 in shared
+    memory; the reply is that tensor (its shared-memory handle, not its data)."""
+
+    buffer_id: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Call[None]):
+    """Trainer -> worker: forget state buffer ``buffer_id``."""
+
+    buffer_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateInfo(Wire):
+    """Reply to a :class:`Snapshot`: the scalars of the state (the moments are in the buffer)."""
+
+    backend: str
+    steps: tuple[int, ...]
+    groups: tuple[GroupConfig, ...]
+    kernel: Kernel | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot(Call[StateInfo]):
+    """Trainer -> worker: copy the moments of ``keys`` into buffer ``buffer_id``.
+
+    Sub-group ``keys[i]`` takes ``2 * numel`` floats at the running offset: ``exp_avg``
+    then ``exp_avg_sq``. Served in order, so it sees every step sent before it.
+    """
+
+    buffer_id: int
+    keys: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Load(Call[None]):
+    """Trainer -> worker: replace the optimizer state with the one staged in ``buffer_id``.
+
+    ``entries`` are ``(group_id, subgroup_id, numel, step)`` laid out as in
+    :class:`Snapshot`; registered sub-groups that are not listed start afresh, listed
+    ones that are not registered yet take their state when they register.
+    """
+
+    buffer_id: int
+    entries: tuple[tuple[int, int, int, int], ...]
+    groups: tuple[GroupConfig, ...]
+    kernel: Kernel | None

@@ -20,6 +20,12 @@ every sub-group in the worker (12 extra bytes per element: the optimizer then ho
 20 bytes per element instead of 8, on top of the param) plus one 3-tensor copy per
 step, and restores them bit-exactly; it undoes one step (a second rollback in a row
 is an error).
+
+State: ``await opt.state_dict()`` snapshots the step counts, moments and group
+hyper-parameters after every step submitted before the call, in one layout for both
+backends (:mod:`._state`), and ``await opt.load_state_dict(sd)`` puts such a state
+back, so a run saved with :class:`~aoffload.CheckpointEngine` resumes bit-identically.
+The moments travel through shared memory, never through the pipe.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
+from .._errors import ClosedError, OptimizerError, WorkerDiedError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
@@ -39,6 +46,7 @@ from ._affinity import Affinity, split_cores
 from ._calls import AdamConfig, GetInfo, Register, Step
 from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
 from ._service import TARGET
+from ._state import StateTransfer, parse
 from ._subgroups import SubGroup, group_config, share, valid_lr, validate
 
 __all__ = ["CPUAdam"]
@@ -108,6 +116,9 @@ class CPUAdam(AsyncResource):
         self._executor: DaemonThreadExecutor | None = None
         self._subgroups: dict[tuple[int, int], SubGroup] = {}
         self._outcomes = Outcomes()
+        self._transfer = StateTransfer()
+        self._loading = False
+        self._loaded: dict[tuple[int, int], int] = {}  # numel of loaded, unregistered sub-groups
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -173,6 +184,10 @@ class CPUAdam(AsyncResource):
         self._outcomes.closed = True
         try:
             if self._bridge is not None:
+                try:
+                    self._bridge.check_running()
+                except WorkerDiedError as death:
+                    self._outcomes.death = death  # for a follower that waits with nothing in flight
                 await self._bridge.aclose()
         finally:
             self._affinity.restore()
@@ -182,6 +197,7 @@ class CPUAdam(AsyncResource):
                 self._executor.shutdown(wait=True)
             self._outcomes.wake()
             self._subgroups.clear()
+            self._transfer.clear()
 
     # -- submitting ----------------------------------------------------------------------
 
@@ -200,10 +216,19 @@ class CPUAdam(AsyncResource):
         param: torch.Tensor,
         grad: torch.Tensor,
     ) -> asyncio.Future[None]:
+        self._loaded.pop((group_id, subgroup_id), None)
         self._subgroups[group_id, subgroup_id] = SubGroup(param, grad)
         future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
         future.add_done_callback(mark_retrieved)  # a failed register fails its first step
         return future
+
+    def _check_loaded(self, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
+        expected = self._loaded.get((group_id, subgroup_id))
+        if expected is not None and expected != param.numel():
+            raise OptimizerError(
+                f"sub-group {subgroup_id} of group {group_id} has {param.numel()} elements; "
+                f"the state loaded for it holds {expected}: is this the same model and split?"
+            )
 
     async def register(
         self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
@@ -219,6 +244,7 @@ class CPUAdam(AsyncResource):
         )
         if (group_id, subgroup_id) in self._subgroups:
             return
+        self._check_loaded(group_id, subgroup_id, param_t)
         if self._executor is None:
             self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
         await asyncio.get_running_loop().run_in_executor(self._executor, share, param_t, grad_t)
@@ -245,6 +271,8 @@ class CPUAdam(AsyncResource):
         anything is sent.
         """
         bridge = self._running_bridge()
+        if self._loading:
+            raise OptimizerError("load_state_dict() is in progress: await it before submitting")
         key = (group_id, subgroup_id)
         sub = self._subgroups.get(key)
         register: asyncio.Future[None] | None = None
@@ -280,6 +308,7 @@ class CPUAdam(AsyncResource):
         group_id, subgroup_id = key
         register: asyncio.Future[None] | None = None
         if sub is None:
+            self._check_loaded(group_id, subgroup_id, param_t)
             share(param_t, grad_t)
             register = self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
             sub = self._subgroups[key]
@@ -292,20 +321,75 @@ class CPUAdam(AsyncResource):
             sub.grad_buffer.copy_(grad_t)
         return sub, register
 
-    # -- results -------------------------------------------------------------------------
+    # -- results -----------------------------------------------------------------------
 
-    def results(self) -> StepResults:
-        """Iterate finished steps in completion order; ends when none is outstanding.
+    def results(self, *, follow: bool = False) -> StepResults:
+        """Iterate finished steps in completion order.
+
+        By default the stream covers the steps outstanding: it ends as soon as none is
+        (at once if none is), for a loop that submits a batch and then consumes it. With
+        ``follow=True`` it covers the optimizer's life, for a consumer in its own task:
+        it waits through idle periods (before the first submit too) and ends once the
+        optimizer is closed and every result that arrived was yielded.
 
         A failed step raises :class:`~aoffload.RemoteError` for that step (iteration may
         go on); a dead worker raises :class:`~aoffload.WorkerDiedError`.
         """
-        return StepResults(self._outcomes)
+        return StepResults(self._outcomes, follow=follow)
 
     async def drain(self) -> list[StepResult]:
         """Wait for every outstanding step and return their results in completion order.
 
-        If any step failed, the first error is raised once all of them have finished.
-        Cancelling the wait consumes nothing: a later ``drain()`` returns every result.
+        Failures are raised once every step has finished: the error itself when there is
+        one (a dead worker counts once), an :class:`ExceptionGroup` when there are
+        several. No result is dropped: those of the steps that succeeded stay outstanding
+        for the next ``drain()`` or ``results()``. Cancelling the wait consumes nothing.
         """
         return await self._outcomes.drain()
+
+    # -- state ---------------------------------------------------------------------------
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The optimizer state after every step submitted before this call.
+
+        Waits for those steps (their results are still delivered by :meth:`results`),
+        then returns step counts, ``exp_avg`` and ``exp_avg_sq`` of every registered
+        sub-group and each group's hyper-parameters (``lr`` overrides included), in one
+        layout for both backends (see ``aoffload/optimizer/_state.py``). The tensors are
+        flat CPU float32 views of shared memory that the caller owns: later steps never
+        change them, and :meth:`CheckpointEngine.save` takes them as they are.
+        """
+        bridge = self._running_bridge()
+        keys = sorted(self._subgroups)
+        return await self._transfer.snapshot(bridge, keys, [self._subgroups[k].numel for k in keys])
+
+    async def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace the optimizer state with ``state_dict`` (from :meth:`state_dict`).
+
+        Every sub-group's next step is then bit-identical to the one the saved optimizer
+        would have taken (on the same backend). Sub-groups of the state that are not
+        registered yet take their state when they register; registered ones that it does
+        not list start afresh; group hyper-parameters are replaced, as torch's optimizers
+        do. An unknown group id, a size or dtype mismatch raises
+        :class:`~aoffload.OptimizerError` and changes nothing. Steps already submitted run
+        first; :meth:`submit` raises while the load is in progress. An exact-rollback
+        pre-step copy does not survive a load: a rollback needs a step after it.
+        """
+        bridge = self._running_bridge()
+        if self._loading:
+            raise OptimizerError("another load_state_dict() is in progress")
+        registered = {key: sub.numel for key, sub in self._subgroups.items()}
+        plan = parse(state_dict, len(self._groups), registered)
+        if self._executor is None:
+            self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
+        self._loading = True
+        try:
+            await self._transfer.load(bridge, plan, self._executor)
+        finally:
+            self._loading = False
+        self._groups = plan.groups
+        self._loaded = {
+            (gid, sid): numel
+            for gid, sid, numel, *_ in plan.entries
+            if (gid, sid) not in registered
+        }

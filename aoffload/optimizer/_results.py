@@ -3,7 +3,17 @@
 :class:`Outcomes` tracks every submitted step from its submit to its consumption:
 the reply callback records the outcome, :class:`StepResults` (``CPUAdam.results()``)
 and ``drain()`` hand it out in completion order. Waiting is by futures that a reply
-resolves; nothing polls.
+(or a submit, or the close) resolves; nothing polls.
+
+When a stream ends:
+
+* ``results()`` covers the steps outstanding: it ends as soon as none is (at once if
+  none is when it starts). For a loop that submits a batch and then consumes it.
+* ``results(follow=True)`` covers the optimizer's life: it waits through idle periods
+  (before the first submit too) and ends once the optimizer is closed and every result
+  that arrived has been yielded. For a consumer running in its own task. If the worker
+  dies, it raises :class:`~aoffload.WorkerDiedError` (through the failed steps, or at
+  the close when none was in flight).
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ class Outcomes:
         self._waiters: set[asyncio.Future[None]] = set()
         self._idle_waiters: set[asyncio.Future[None]] = set()
         self.closed = False
+        self.death: BaseException | None = None  # set by the close when the worker had died
 
     @property
     def outstanding(self) -> int:
@@ -127,10 +138,14 @@ class Outcomes:
         finally:
             waiters.discard(waiter)
 
-    async def next_completed(self) -> Pending | None:
-        """The next finished step, or ``None`` when none is outstanding."""
+    async def next_completed(self, *, follow: bool = False) -> Pending | None:
+        """The next finished step; ``None`` at the end of the stream (see the module doc)."""
         while not self.completed:
-            if not self.pending:
+            if follow and self.closed and not self.pending:
+                if self.death is not None:
+                    raise self.death
+                return None
+            if not follow and not self.pending:
                 return None
             await self._wait_for_change()
         return self.completed.popleft()
@@ -138,33 +153,49 @@ class Outcomes:
     async def drain(self) -> list[StepResult]:
         """Wait for every outstanding step and return their results in completion order.
 
-        If any step failed, the first error is raised once all of them have finished.
-        Cancelling the wait consumes nothing: a later ``drain()`` returns every result.
+        If steps failed, their errors are raised once all steps have finished: the error
+        itself when there is one (a dead worker's :class:`~aoffload.WorkerDiedError` counts
+        once, however many steps it failed), an :class:`ExceptionGroup` of them when there
+        are several. No result is dropped: the results of the steps that succeeded stay
+        outstanding, for the next ``drain()`` or ``results()``. Cancelling the wait
+        consumes nothing.
         """
         while self.pending:
             await self._wait_for_change(idle=True)  # one wake-up when the last step is done
         finished, self.completed = list(self.completed), collections.deque()
         results: list[StepResult] = []
-        first_error: BaseException | None = None
+        kept: list[Pending] = []
+        errors: dict[int, Exception] = {}  # by identity: one death fails every step
         for pending in finished:
             try:
                 results.append(pending.result())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest finished
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+                kept.append(pending)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the rest finished
+                errors.setdefault(id(exc), exc)
+        if not errors:
+            return results
+        self.completed.extend(kept)
+        if len(errors) == 1:
+            raise next(iter(errors.values()))
+        raise ExceptionGroup(
+            f"{len(errors)} CPUAdam steps failed ({len(kept)} results kept for the next "
+            "drain() or results())",
+            list(errors.values()),
+        )
 
 
 class StepResults:
     """Async iterator over finished steps in completion order (from :meth:`CPUAdam.results`).
 
     It holds no resources: ``break`` leaves the remaining results for a later
-    ``results()`` or ``drain()``. It ends when no step is outstanding.
+    ``results()`` or ``drain()``. It ends when no step is outstanding, or with
+    ``follow=True`` once the optimizer is closed (see the module docstring). A failed
+    step raises its error from ``__anext__``; iterating on after it is allowed.
     """
 
-    def __init__(self, outcomes: Outcomes) -> None:
+    def __init__(self, outcomes: Outcomes, *, follow: bool = False) -> None:
         self._outcomes = outcomes
+        self._follow = follow
 
     def __aiter__(self) -> StepResults:
         """Return this iterator."""
@@ -172,7 +203,7 @@ class StepResults:
 
     async def __anext__(self) -> StepResult:
         """The next finished step; raises that step's error if it failed."""
-        pending = await self._outcomes.next_completed()
+        pending = await self._outcomes.next_completed(follow=self._follow)
         if pending is None:
             raise StopAsyncIteration
         return pending.result()

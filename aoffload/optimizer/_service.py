@@ -13,7 +13,19 @@ import torch
 from .._runtime.protocol import Call
 from .._runtime.serve import Handler, Service
 from ._backends import Backup, DeepSpeedBackend, NoStepError, TorchBackend
-from ._calls import AdamConfig, Done, GetInfo, Info, Register, Step
+from ._calls import (
+    AdamConfig,
+    Allocate,
+    Done,
+    GetInfo,
+    Info,
+    Load,
+    Register,
+    Release,
+    Snapshot,
+    StateInfo,
+    Step,
+)
 
 __all__ = ["TARGET", "AdamService", "create"]
 
@@ -32,7 +44,10 @@ class AdamService(Service):
         self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
         self._exact = config.exact_rollback
         self._backups: dict[tuple[int, int], Backup] = {}
-        self._registered: set[tuple[int, int]] = set()
+        self._registered: dict[tuple[int, int], int] = {}  # numel of each sub-group
+        self._buffers: dict[int, torch.Tensor] = {}  # state buffers, shared with the trainer
+        # Loaded state of sub-groups that register later: (step, exp_avg, exp_avg_sq).
+        self._waiting: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
         logger.info(
             "CPUAdam worker: %s backend, %d threads, cores %s",
             self._backend.name,
@@ -54,14 +69,90 @@ class AdamService(Service):
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """Step, register, report what runs."""
-        return {Step: self._step, Register: self._register, GetInfo: self._info}
+        return {
+            Step: self._step,
+            Register: self._register,
+            GetInfo: self._info,
+            Allocate: self._allocate,
+            Release: self._release,
+            Snapshot: self._snapshot,
+            Load: self._load,
+        }
 
     def _register(self, request: Register) -> None:
         key = (request.group_id, request.subgroup_id)
+        numel = request.param.numel()
+        waiting = self._waiting.pop(key, None)
+        if waiting is not None and waiting[1].numel() != numel:
+            raise ValueError(
+                f"sub-group {key[1]} of group {key[0]} has {numel} elements but the loaded "
+                f"state holds {waiting[1].numel()}"
+            )
         self._backend.register(*key, request.param, request.grad)
-        self._registered.add(key)
+        self._registered[key] = numel
         if self._exact:
-            self._backups[key] = Backup(request.param.numel())
+            self._backups[key] = Backup(numel)
+        if waiting is not None:
+            step, exp_avg, exp_avg_sq = waiting
+            self._backend.load(*key, step, exp_avg, exp_avg_sq)
+
+    def _allocate(self, request: Allocate) -> torch.Tensor:
+        buffer = torch.empty(request.numel, dtype=torch.float32)
+        buffer.share_memory_()  # type: ignore[no-untyped-call]
+        self._buffers[request.buffer_id] = buffer
+        return buffer
+
+    def _release(self, request: Release) -> None:
+        self._buffers.pop(request.buffer_id, None)
+
+    def _buffer(self, buffer_id: int, needed: bool) -> torch.Tensor:
+        buffer = self._buffers.get(buffer_id)
+        if buffer is None:
+            if needed:
+                raise KeyError(f"no state buffer {buffer_id} (its allocation failed)")
+            return torch.empty(0)
+        return buffer
+
+    def _snapshot(self, request: Snapshot) -> StateInfo:
+        buffer = self._buffer(request.buffer_id, bool(request.keys))
+        steps, offset = [], 0
+        for key in request.keys:
+            numel = self._registered[key]
+            exp_avg = buffer[offset : offset + numel]
+            exp_avg_sq = buffer[offset + numel : offset + 2 * numel]
+            steps.append(self._backend.export(*key, exp_avg, exp_avg_sq))
+            offset += 2 * numel
+        return StateInfo(
+            self._backend.name, tuple(steps), self._backend.groups(), self._backend.kernel()
+        )
+
+    def _load(self, request: Load) -> None:
+        buffer = self._buffer(request.buffer_id, bool(request.entries))
+        for group_id, subgroup_id, numel, _ in request.entries:  # validate everything first
+            known = self._registered.get((group_id, subgroup_id))
+            if known is not None and known != numel:
+                raise ValueError(
+                    f"sub-group {subgroup_id} of group {group_id} has {known} elements; "
+                    f"the state holds {numel}"
+                )
+        listed = {(g, s) for g, s, _, _ in request.entries}
+        self._backend.set_groups(request.groups)
+        self._backend.set_kernel(request.kernel)
+        self._waiting.clear()
+        for key in self._registered.keys() - listed:
+            self._backend.load(*key, 0, None, None)  # not in the state: starts afresh
+        offset = 0
+        for group_id, subgroup_id, numel, step in request.entries:
+            key = (group_id, subgroup_id)
+            exp_avg = buffer[offset : offset + numel]
+            exp_avg_sq = buffer[offset + numel : offset + 2 * numel]
+            offset += 2 * numel
+            if key in self._registered:
+                self._backend.load(*key, step, exp_avg, exp_avg_sq)
+            else:  # the buffer is reused: keep a private copy until the sub-group registers
+                self._waiting[key] = (step, exp_avg.clone(), exp_avg_sq.clone())
+        for backup in self._backups.values():
+            backup.valid = False  # the pre-step copies belong to the state replaced
 
     def _info(self, request: GetInfo) -> Info:
         return Info(self._backend.name, torch.get_num_threads(), self._cores)
@@ -85,8 +176,8 @@ class AdamService(Service):
             if not backup.valid:
                 raise NoStepError(
                     f"cannot roll back sub-group {request.subgroup_id} of group "
-                    f"{request.group_id}: no step since its last rollback (exact rollback "
-                    "keeps one pre-step copy)"
+                    f"{request.group_id}: no step since its last rollback or state load "
+                    "(exact rollback keeps one pre-step copy)"
                 )
             step = self._backend.restore(*key, backup)
             backup.valid = False
@@ -98,6 +189,8 @@ class AdamService(Service):
         """Drop the tensors (the shared memory is released with the last reference)."""
         self._backups.clear()
         self._registered.clear()
+        self._buffers.clear()
+        self._waiting.clear()
 
 
 def create(config: object) -> AdamService:
