@@ -1,7 +1,7 @@
 """The worker side of the bridge: handshake, serve loop, errors sent back as objects.
 
 :func:`worker_main` is the spawn target. It imports the service named by a
-``"module:factory"`` string *inside* its own error handling, so an import failure
+``"module:ServiceClass"`` string *inside* its own error handling, so an import failure
 reaches the trainer as :class:`~aoffload.WorkerStartupError` with the worker's
 traceback instead of a bare exit code.
 
@@ -20,18 +20,28 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
 
 from .protocol import Call, Failure, LogEvent, Ready, Reply, Request, Shutdown, StartupFailed
 
-__all__ = ["Handler", "Service", "worker_main"]
+__all__ = ["Handler", "Service", "target", "worker_main"]
 
 Handler = Callable[[Any], object]
 """Runs one request of the type it is registered for and returns its (picklable) result."""
 
 
 class Service:
-    """What a worker process serves. Built in the worker by ``factory(config)``."""
+    """What a worker process serves, built in the worker as ``ServiceClass(config)``.
+
+    A bridge names it by ``"module:ServiceClass"`` (see :func:`target`); the worker checks
+    that ``config`` is a :attr:`config_type` before it builds the service.
+    """
+
+    config_type: ClassVar[type] = object
+    """The type of the configuration the constructor takes."""
+
+    def __init__(self, config: object) -> None:
+        """Build the service from its configuration."""
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """The handler of each request type this service answers."""
@@ -39,6 +49,11 @@ class Service:
 
     def close(self) -> None:
         """Release the service's resources; called once, on shutdown."""
+
+
+def target(service: type[Service]) -> str:
+    """The ``"module:ServiceClass"`` name a bridge spawns ``service`` by."""
+    return f"{service.__module__}:{service.__qualname__}"
 
 
 class _Sender:
@@ -100,8 +115,13 @@ def worker_main(
     root.setLevel(log_level)
     try:
         module_name, _, attr = target.partition(":")
-        factory: Callable[[object], Service] = getattr(importlib.import_module(module_name), attr)
-        service = factory(config)
+        kind: type[Service] = getattr(importlib.import_module(module_name), attr)
+        if not isinstance(config, kind.config_type):
+            raise TypeError(
+                f"{kind.__qualname__} needs a {kind.config_type.__qualname__}, "
+                f"not {type(config).__qualname__}"
+            )
+        service = kind(config)
         handlers = dict(service.handlers())
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, then the worker exits
         sender.send(StartupFailed(*_failure_fields(exc)))

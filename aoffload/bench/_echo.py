@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._runtime.protocol import Call
-from .._runtime.serve import Handler, Service
+from .._runtime.serve import Handler, Service, target
 
 __all__ = ["TARGET", "Alloc", "Echo", "EchoService", "Sleep"]
 
@@ -42,7 +42,7 @@ class Alloc(Call[int]):
 class EchoService(Service):
     """Answers :class:`Echo`, :class:`Sleep` and :class:`Alloc`."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: object = None) -> None:
         self._held: list[bytearray] = []
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
@@ -68,9 +68,5 @@ class EchoService(Service):
         self._held.clear()
 
 
-def create(config: object) -> EchoService:
-    """Worker-side factory named by :data:`TARGET`."""
-    return EchoService()
-
-
-TARGET = f"{__name__}:create"
+TARGET = target(EchoService)
+"""The name a bridge spawns the service by."""

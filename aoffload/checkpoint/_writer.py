@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from .._runtime.protocol import Call
-from .._runtime.serve import Handler, Service
+from .._runtime.serve import Handler, Service, target
 from .._runtime.threads import DaemonThreadExecutor
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "TensorRecord",
     "WriteFile",
     "WriterConfig",
-    "create",
 ]
 
 logger = logging.getLogger(__name__)
@@ -214,6 +213,8 @@ class _Unpickler(pickle.Unpickler):
 class WriterService(Service):
     """Serves the writer's calls, one at a time, in order."""
 
+    config_type = WriterConfig
+
     def __init__(self, config: WriterConfig) -> None:
         self._config = config
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
@@ -306,11 +307,5 @@ class WriterService(Service):
                 self._bounce.close()
 
 
-def create(config: object) -> WriterService:
-    """Worker-side factory named by :data:`TARGET`."""
-    if not isinstance(config, WriterConfig):
-        raise TypeError(f"the writer needs a WriterConfig, not {type(config).__name__}")
-    return WriterService(config)
-
-
-TARGET = f"{__name__}:create"
+TARGET = target(WriterService)
+"""The name a bridge spawns the service by."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["Affinity", "split_cores"]
+__all__ = ["Affinity", "Split", "plan_split", "split_cores"]
 
 
 def split_cores(allowed: Sequence[int], worker_fraction: float) -> tuple[list[int], list[int]]:
@@ -23,6 +24,31 @@ def split_cores(allowed: Sequence[int], worker_fraction: float) -> tuple[list[in
         return cores, cores
     worker = min(max(round(worker_fraction * len(cores)), 1), len(cores) - 1)
     return cores[: len(cores) - worker], cores[len(cores) - worker :]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where the trainer and the worker run: ``None`` for the worker means unpinned."""
+
+    original: set[int]
+    trainer: list[int]
+    worker: tuple[int, ...] | None
+
+    @property
+    def threads(self) -> int | None:
+        """The worker's torch thread count: its share of the cores, or unchanged."""
+        return None if self.worker is None else len(self.worker)
+
+
+def plan_split(worker_fraction: float | None) -> Split:
+    """The split ``worker_fraction`` asks for (``None``: none), where affinity can be set."""
+    if worker_fraction is None or not hasattr(os, "sched_getaffinity"):
+        return Split(set(), [], None)
+    original = os.sched_getaffinity(0)
+    trainer, worker = split_cores(sorted(original), worker_fraction)
+    if not trainer or not set(trainer).isdisjoint(worker):
+        return Split(original, [], None)  # one CPU: nothing to split
+    return Split(original, trainer, tuple(worker))
 
 
 class Affinity:

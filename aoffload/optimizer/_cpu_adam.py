@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,13 +40,13 @@ import torch
 from .._errors import ClosedError, OptimizerError, WorkerDiedError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
-from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
-from ._affinity import Affinity, split_cores
-from ._calls import AdamConfig, GetInfo, Register, Step
+from .._runtime.threads import DaemonThreadExecutor
+from ._affinity import Affinity, plan_split
+from ._calls import AdamConfig, GetInfo, Step
 from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
 from ._service import TARGET
 from ._state import StateTransfer, parse
-from ._subgroups import SubGroup, group_config, share, valid_lr, validate
+from ._subgroups import Registry, group_config, share, valid_lr, validate
 
 __all__ = ["CPUAdam"]
 
@@ -114,11 +113,11 @@ class CPUAdam(AsyncResource):
         self._backend: str | None = None
         self._affinity = Affinity()
         self._executor: DaemonThreadExecutor | None = None
-        self._subgroups: dict[tuple[int, int], SubGroup] = {}
+        self._registry = Registry()
+        self._subgroups = self._registry.subgroups
         self._outcomes = Outcomes()
         self._transfer = StateTransfer()
         self._loading = False
-        self._loaded: dict[tuple[int, int], int] = {}  # numel of loaded, unregistered sub-groups
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -139,19 +138,13 @@ class CPUAdam(AsyncResource):
 
     async def _open(self) -> None:
         """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
-        original: set[int] | None = None
-        trainer: list[int] = []
-        worker: list[int] | None = None
-        if self._worker_cores is not None and hasattr(os, "sched_getaffinity"):
-            original = os.sched_getaffinity(0)
-            trainer, worker = split_cores(sorted(original), self._worker_cores)
-        split = worker is not None and len(trainer) > 0 and set(trainer).isdisjoint(worker)
+        split = plan_split(self._worker_cores)
         config = AdamConfig(
             groups=self._groups,
             backend=self._requested_backend,
             exact_rollback=self._exact,
-            cores=tuple(worker) if split and worker is not None else None,
-            threads=len(worker) if split and worker is not None else None,
+            cores=split.worker,
+            threads=split.threads,
         )
         bridge = self._bridge = Bridge(
             TARGET,
@@ -163,15 +156,15 @@ class CPUAdam(AsyncResource):
         await bridge.start()
         info = await bridge.request(GetInfo())
         self._backend = info.backend
-        if split and original is not None:
-            self._affinity.apply(original, trainer)
+        if split.worker is not None:
+            self._affinity.apply(split.original, split.trainer)
         logger.info(
             "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
             bridge.pid,
             info.backend,
             info.threads,
             "unpinned" if info.cores is None else list(info.cores),
-            trainer if split else "unpinned",
+            split.trainer if split.worker is not None else "unpinned",
         )
 
     async def _close(self) -> None:
@@ -208,28 +201,6 @@ class CPUAdam(AsyncResource):
         self._bridge.check_running()
         return self._bridge
 
-    def _send_register(
-        self,
-        bridge: Bridge,
-        group_id: int,
-        subgroup_id: int,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> asyncio.Future[None]:
-        self._loaded.pop((group_id, subgroup_id), None)
-        self._subgroups[group_id, subgroup_id] = SubGroup(param, grad)
-        future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
-        future.add_done_callback(mark_retrieved)  # a failed register fails its first step
-        return future
-
-    def _check_loaded(self, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
-        expected = self._loaded.get((group_id, subgroup_id))
-        if expected is not None and expected != param.numel():
-            raise OptimizerError(
-                f"sub-group {subgroup_id} of group {group_id} has {param.numel()} elements; "
-                f"the state loaded for it holds {expected}: is this the same model and split?"
-            )
-
     async def register(
         self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
     ) -> None:
@@ -244,13 +215,13 @@ class CPUAdam(AsyncResource):
         )
         if (group_id, subgroup_id) in self._subgroups:
             return
-        self._check_loaded(group_id, subgroup_id, param_t)
+        self._registry.check_loaded(group_id, subgroup_id, param_t)
         if self._executor is None:
             self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
         await asyncio.get_running_loop().run_in_executor(self._executor, share, param_t, grad_t)
         bridge = self._running_bridge()
         if (group_id, subgroup_id) not in self._subgroups:
-            await self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
+            await self._registry.register(bridge, group_id, subgroup_id, param_t, grad_t)
 
     def submit(
         self,
@@ -282,7 +253,7 @@ class CPUAdam(AsyncResource):
             param_t, grad_t = validate(
                 len(self._groups), self._subgroups, group_id, subgroup_id, param, grad, lr
             )
-            sub, register = self._prepare(bridge, key, sub, param_t, grad_t)
+            sub, register = self._registry.prepare(bridge, key, sub, param_t, grad_t)
         step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
         kind = StepKind.ROLLBACK if rollback else StepKind.STEP
         pending = Pending(group_id, subgroup_id, kind, param_t, register)
@@ -295,31 +266,6 @@ class CPUAdam(AsyncResource):
         bridge.call_with_callback(step, on_done)
         sub.in_flight += 1
         outcomes.pending.add(pending)
-
-    def _prepare(
-        self,
-        bridge: Bridge,
-        key: tuple[int, int],
-        sub: SubGroup | None,
-        param_t: torch.Tensor,
-        grad_t: torch.Tensor,
-    ) -> tuple[SubGroup, asyncio.Future[None] | None]:
-        """Register a new sub-group, or copy a caller's other grad into the registered one."""
-        group_id, subgroup_id = key
-        register: asyncio.Future[None] | None = None
-        if sub is None:
-            self._check_loaded(group_id, subgroup_id, param_t)
-            share(param_t, grad_t)
-            register = self._send_register(bridge, group_id, subgroup_id, param_t, grad_t)
-            sub = self._subgroups[key]
-        elif not sub.is_grad(grad_t):
-            if sub.in_flight:
-                raise OptimizerError(
-                    f"sub-group {subgroup_id} of group {group_id} has a step in flight; pass "
-                    "its registered grad tensor, or wait for the result before passing another"
-                )
-            sub.grad_buffer.copy_(grad_t)
-        return sub, register
 
     # -- results -----------------------------------------------------------------------
 
@@ -388,7 +334,7 @@ class CPUAdam(AsyncResource):
         finally:
             self._loading = False
         self._groups = plan.groups
-        self._loaded = {
+        self._registry.loaded = {
             (gid, sid): numel
             for gid, sid, numel, *_ in plan.entries
             if (gid, sid) not in registered

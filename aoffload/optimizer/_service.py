@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._runtime.protocol import Call
-from .._runtime.serve import Handler, Service
+from .._runtime.serve import Handler, Service, target
 from ._backends import Backup, DeepSpeedBackend, NoStepError, TorchBackend
 from ._calls import (
     AdamConfig,
@@ -27,13 +27,15 @@ from ._calls import (
     Step,
 )
 
-__all__ = ["TARGET", "AdamService", "create"]
+__all__ = ["TARGET", "AdamService"]
 
 logger = logging.getLogger(__name__)
 
 
 class AdamService(Service):
     """Serves the optimizer's calls with one backend."""
+
+    config_type = AdamConfig
 
     def __init__(self, config: AdamConfig) -> None:
         if config.cores is not None and hasattr(os, "sched_setaffinity"):
@@ -193,11 +195,5 @@ class AdamService(Service):
         self._waiting.clear()
 
 
-def create(config: object) -> AdamService:
-    """Worker-side factory named by :data:`TARGET`."""
-    if not isinstance(config, AdamConfig):
-        raise TypeError(f"expected an AdamConfig, got {type(config)!r}")
-    return AdamService(config)
-
-
-TARGET = f"{__name__}:create"
+TARGET = target(AdamService)
+"""The name a bridge spawns the service by."""

@@ -7,15 +7,26 @@ later submit can take the fast path when the caller passes the very same tensors
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 
 import torch
 
 from .._errors import OptimizerError
-from ._calls import GROUP_KEYS, GroupConfig
+from .._runtime.bridge import Bridge
+from .._runtime.threads import mark_retrieved
+from ._calls import GROUP_KEYS, GroupConfig, Register
 
-__all__ = ["SubGroup", "check_tensor", "group_config", "share", "valid_lr", "validate"]
+__all__ = [
+    "Registry",
+    "SubGroup",
+    "check_tensor",
+    "group_config",
+    "share",
+    "valid_lr",
+    "validate",
+]
 
 
 def group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
@@ -153,3 +164,60 @@ def share(param: torch.Tensor, grad: torch.Tensor) -> None:
             f"could not move the tensors to shared memory ({exc}); pass tensors that own "
             "their memory (not pinned, not from numpy/from_blob)"
         ) from exc
+
+
+class Registry:
+    """The sub-groups registered with one worker, and the loaded state waiting for others."""
+
+    def __init__(self) -> None:
+        self.subgroups: dict[tuple[int, int], SubGroup] = {}
+        self.loaded: dict[tuple[int, int], int] = {}  # numel of loaded, unregistered sub-groups
+
+    def check_loaded(self, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
+        """Refuse a sub-group whose size differs from the state loaded for it."""
+        expected = self.loaded.get((group_id, subgroup_id))
+        if expected is not None and expected != param.numel():
+            raise OptimizerError(
+                f"sub-group {subgroup_id} of group {group_id} has {param.numel()} elements; "
+                f"the state loaded for it holds {expected}: is this the same model and split?"
+            )
+
+    def register(
+        self,
+        bridge: Bridge,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> asyncio.Future[None]:
+        """Record the sub-group and hand its shared tensors to the worker."""
+        self.loaded.pop((group_id, subgroup_id), None)
+        self.subgroups[group_id, subgroup_id] = SubGroup(param, grad)
+        future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
+        future.add_done_callback(mark_retrieved)  # a failed register fails its first step
+        return future
+
+    def prepare(
+        self,
+        bridge: Bridge,
+        key: tuple[int, int],
+        sub: SubGroup | None,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> tuple[SubGroup, asyncio.Future[None] | None]:
+        """Register a new sub-group, or copy a caller's other grad into the registered one."""
+        group_id, subgroup_id = key
+        register: asyncio.Future[None] | None = None
+        if sub is None:
+            self.check_loaded(group_id, subgroup_id, param)
+            share(param, grad)
+            register = self.register(bridge, group_id, subgroup_id, param, grad)
+            sub = self.subgroups[key]
+        elif not sub.is_grad(grad):
+            if sub.in_flight:
+                raise OptimizerError(
+                    f"sub-group {subgroup_id} of group {group_id} has a step in flight; pass "
+                    "its registered grad tensor, or wait for the result before passing another"
+                )
+            sub.grad_buffer.copy_(grad)
+        return sub, register

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aoffload._runtime.protocol import Call
-from aoffload._runtime.serve import Handler
+from aoffload._runtime.serve import Handler, target
 from aoffload.bench._echo import Alloc, Echo, EchoService, Sleep
 
 __all__ = [
@@ -94,8 +94,9 @@ class EchoConfig:
 class FaultyEchoService(EchoService):
     """The echo service, plus calls that fail, print, log, exit and ignore SIGTERM."""
 
-    def __init__(self, config: EchoConfig) -> None:
+    def __init__(self, config: EchoConfig | None) -> None:
         super().__init__()
+        config = config or EchoConfig()
         if config.start_delay:
             time.sleep(config.start_delay)
         if config.fail_on_start:
@@ -118,9 +119,5 @@ class FaultyEchoService(EchoService):
         raise ValueError(call.message)
 
 
-def create(config: object) -> FaultyEchoService:
-    """Worker-side factory named by :data:`TARGET`."""
-    return FaultyEchoService(config if isinstance(config, EchoConfig) else EchoConfig())
-
-
-TARGET = f"{__name__}:create"
+TARGET = target(FaultyEchoService)
+"""The name a bridge spawns the service by."""
