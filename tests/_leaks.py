@@ -6,9 +6,19 @@ import os
 import threading
 from dataclasses import dataclass
 
-from aoffload._runtime.census import SHM_DIR, child_pids
+from aoffload._runtime import census
+from aoffload._runtime.census import SHM_DIR
 
 __all__ = ["Snapshot", "child_pids"]
+
+
+def child_pids() -> set[int]:
+    """Live children of this process, less multiprocessing's resource tracker.
+
+    The tracker starts with the first spawn of the session and lives on by design, so a
+    test that happens to run first would otherwise count it as a leak.
+    """
+    return {pid for pid in census.child_pids() if not census.is_resource_tracker(pid)}
 
 
 @dataclass(frozen=True)
