@@ -46,7 +46,7 @@ def stage_events() -> Events:
     Recorded when ``stage()`` is called, so the side-stream copy runs after the work the
     caller had queued by then. O(devices), never O(state).
     """
-    if not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return {}
     return {
         device: torch.cuda.current_stream(device).record_event()
@@ -108,10 +108,10 @@ class _Job:
             raise ClosedError("the checkpoint engine's staging memory was released")
         position = array.data_ptr() + self._region.offset
         for chunk in self._plan.skeleton:
-            source = np.frombuffer(chunk, dtype=np.uint8)
-            self._keep.append(source)
-            self._pieces += _pieces(position, source.ctypes.data, source.size)
-            position += source.size
+            buffer = np.frombuffer(chunk, dtype=np.uint8)
+            self._keep.append(buffer)
+            self._pieces += _pieces(position, buffer.ctypes.data, buffer.size)
+            position += buffer.size
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tensor, offset in zip(self._plan.tensors, self._plan.offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()

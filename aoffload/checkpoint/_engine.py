@@ -38,10 +38,10 @@ class CheckpointEngine(AsyncResource):
 
     Use as ``async with CheckpointEngine(directory) as engine:``; see :meth:`stage`,
     :meth:`save`, :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
-    keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the checkpoints staged but not yet durable
-    (each holds staging memory the size of its tensors). ``writer=False`` makes a
-    replica that validates names and writes nothing. ``durable=False`` skips fsync
-    (tests, scratch runs). Tags are ordered by commit: each manifest records a sequence
+    keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
+    checkpoints staged but not yet durable (each holds staging memory the size of its
+    tensors). ``writer=False`` makes a replica that validates names and writes nothing.
+    ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each manifest records a sequence
     number one above the highest found in ``directory``.
     """
 
