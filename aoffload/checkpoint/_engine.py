@@ -125,6 +125,7 @@ class CheckpointEngine(AsyncResource):
         )
         self._catalog.found(found)
         if self._bridge is not None:
+            await self._run_io(self._stager.start)
             await self._bridge.start()
 
     async def _close(self) -> None:

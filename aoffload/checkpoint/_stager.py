@@ -115,6 +115,11 @@ class Stager:
 
     # -- staging ------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the copy threads (blocking: a thread's start waits until it runs)."""
+        if self._pool is None:
+            self._pool = CopyPool()
+
     def stage(
         self,
         bridge: Bridge,
@@ -125,8 +130,6 @@ class Stager:
     ) -> Staged:
         """Reserve ``name`` in ``tag`` and start its staging task (on the loop, O(1))."""
         loop = asyncio.get_running_loop()
-        if self._pool is None:
-            self._pool = CopyPool()
         open_tag = self.open_tags.get(tag)
         if open_tag is None:
             tmpdir = self.directory / f"{_store.TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
