@@ -41,8 +41,8 @@ class CheckpointEngine(AsyncResource):
     keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
     checkpoints staged but not yet durable (each holds staging memory the size of its
     tensors). ``writer=False`` makes a replica that validates names and writes nothing.
-    ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each manifest records a sequence
-    number one above the highest found in ``directory``.
+    ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
+    manifest records a sequence number one above the highest found in ``directory``.
     """
 
     _what = "this CheckpointEngine"

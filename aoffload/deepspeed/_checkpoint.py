@@ -217,10 +217,11 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Wait for the tag's snapshot copy, start its commit, and return; durable in the background.
+        """Wait for the tag's snapshot copy, start its commit, return; durable in the background.
 
         DeepSpeed calls this at the step boundary after ``save_checkpoint()``, before the
-        optimizer step; the trainer waits for the copy (the fence), never for the disk. ``latest`` is updated only once the checkpoint is durable.
+        optimizer step; the trainer waits for the copy (the fence), never for the disk.
+        ``latest`` is updated only once the checkpoint is durable.
         """
         self._check_open()
         self._raise_failed()
