@@ -244,11 +244,12 @@ def _dcp(
         except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
             report.skip(SECTION, system, f"{type(exc).__name__}: {exc}"[:300])
             continue
+
+        def call(compute: float, stager: Any = stager) -> tuple[float, float]:
+            return dcp_stall(root, state, compute, AsyncCheckpointerType.THREAD, stager)
+
         try:
-            _systems_runs(
-                report, system, computes, reps,
-                lambda c, s=stager: dcp_stall(root, state, c, AsyncCheckpointerType.THREAD, s),
-            )  # fmt: skip
+            _systems_runs(report, system, computes, reps, call)
         finally:
             if stager is not None:
                 stager.close()
