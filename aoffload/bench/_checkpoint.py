@@ -35,7 +35,7 @@ SECTION = "checkpoint"
 TENSOR_BYTES = 64 << 20
 CHUNK = 64 << 20
 GIB = float(1 << 30)
-STAGE = "aoffload stage()+fence"
+STAGE = "aoffload"
 
 
 def make_state(size_gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -118,7 +118,9 @@ def _run(report: Report, *, quick: bool, size_gib: float, root: Path, device: st
     report.notes.append(
         f"checkpoint state: {len(state)} x 64 MiB fp32 = {nbytes / GIB:.2f} GiB on {device}; "
         "the 'step' is a sleep (the trainer waiting for its accelerator) except in the "
-        "'real CPU step' rows; the stall is every wait the trainer has for one checkpoint"
+        "'real CPU step' rows; the stall is every wait the trainer has for one checkpoint "
+        "(aoffload: the stage() call plus the fence, `await staged`, after the step; DCP with "
+        "async staging: async_save plus its staging future; DeepSpeed: save() plus commit())"
     )
     cores = len(os.sched_getaffinity(0))
     progress("checkpoint: memcpy limits")

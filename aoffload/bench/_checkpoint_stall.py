@@ -94,7 +94,7 @@ async def aoffload_runs(
                 results += [r[3] for r in runs]
                 report.add(
                     SECTION,
-                    "aoffload stage()+fence",
+                    "aoffload",
                     f"trainer stall, {compute:g} s step",
                     "s",
                     [r[1] for r in runs],
@@ -104,21 +104,21 @@ async def aoffload_runs(
             nbytes = results[-1].bytes
             report.add(
                 SECTION,
-                "aoffload stage()+fence",
+                "aoffload",
                 "stage() call per GiB",
                 "s",
                 [c * GIB / nbytes for c in calls],
             )
             report.add(
                 SECTION,
-                "aoffload stage()+fence",
+                "aoffload",
                 "copy time (0 s step: the fence waits for all of it)",
                 "s",
                 [r.stage_seconds for r in results[:reps]],
             )
             report.add(
                 SECTION,
-                "aoffload stage()+fence",
+                "aoffload",
                 "write+fsync rate (GiB/s)",
                 "GiB/s",
                 [r.bytes / GIB / r.write_seconds for r in results if r.write_seconds],
@@ -137,7 +137,7 @@ def _lag_figures(report: Report, lags: list[float]) -> None:
         value = lag_ms[min(len(lag_ms) - 1, int(q * len(lag_ms)))]
         report.add(
             SECTION,
-            "aoffload stage()+fence",
+            "aoffload",
             f"event-loop lag {label} while staging+committing "
             f"(single sample: {len(lag_ms)} ticks of one run)",
             "ms",
@@ -207,7 +207,7 @@ async def _dead_writer(engine: Any, state: dict[str, torch.Tensor], report: Repo
         await commit
     report.add(
         SECTION,
-        "aoffload stage()+fence",
+        "aoffload",
         "dead writer noticed by commit() (single sample)",
         "s",
         [time.perf_counter() - started],
