@@ -16,7 +16,6 @@ are printed side by side.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import tempfile
 import time

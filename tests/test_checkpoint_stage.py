@@ -10,6 +10,7 @@ import asyncio
 import gc
 import inspect
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -117,7 +118,7 @@ async def test_a_tensor_mutated_during_its_copy_fails_the_staging_naming_its_key
         # The engine stays usable, and the tags can be staged again.
         await engine.save(state, "model.pt", tag="torn")
         await engine.commit("torn")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest", "torn"]
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "torn"]
     assert not never_retrieved(caplog)
 
 
