@@ -3,6 +3,7 @@ stream, off the event loop. Runs only where a CUDA device is present; never fake
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,38 @@ async def test_kernels_queued_before_save_are_captured(tmp_path: Path) -> None:
         await engine.commit("t")
         loaded = await engine.load("big.pt", map_location="cuda")
     assert bool(torch.all(loaded["big"] == 20.0))
+
+
+async def test_stage_orders_the_copy_after_queued_kernels_and_fences_on_its_event(
+    tmp_path: Path,
+) -> None:
+    big = torch.zeros(4096, 4096, device="cuda")
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        for _ in range(20):  # queued on the current stream before stage(): captured
+            big.add_(1.0)
+        staged = engine.stage({"big": big}, "big.pt", tag="t")  # returns at once
+        await staged  # resolves on the side-stream copy's completion event
+        big.zero_()  # allowed after the fence
+        await engine.commit("t")
+        loaded = await engine.load("big.pt")
+    assert bool(torch.all(loaded["big"] == 20.0))
+
+
+async def test_a_cuda_tensor_mutated_before_the_fence_fails_naming_its_key(tmp_path: Path) -> None:
+    big = torch.zeros(8192, 8192, device="cuda")
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        staged = engine.stage({"model": {"big": big}}, "big.pt", tag="t")
+        await asyncio.sleep(0)  # the planner may or may not have read the version yet
+        for _ in range(50):
+            big.add_(1.0)
+            await asyncio.sleep(0.001)
+        failure: BaseException | None = None
+        try:
+            await staged
+        except aoffload.CheckpointError as exc:
+            failure = exc
+        if failure is not None:
+            assert "state['model']['big']" in str(failure)
+        else:  # the copy ended before the first add_: a consistent snapshot of zeros
+            await engine.commit("t")
+            assert bool(torch.all((await engine.load("big.pt"))["big"] == 0.0))

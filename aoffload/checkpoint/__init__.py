@@ -1,8 +1,9 @@
 """Checkpointing: :class:`CheckpointEngine` and the trainer/writer processes behind it.
 
-- :mod:`._engine`: the trainer's side (save, commit, load orchestration);
+- :mod:`._engine`: the trainer's side (stage, save, commit, load orchestration);
+- :mod:`._stager`: ``stage()`` and its pipeline; :mod:`._copy`: the staging copy threads;
 - :mod:`._commit`: the committed tags, publishing and retention;
-- :mod:`._plan`: validation, the pickled skeleton and the staging copy;
+- :mod:`._plan`: validation, the pickled skeleton and the version counters;
 - :mod:`._staging`: the shared-memory segments and slots staged tensors live in;
 - :mod:`._writer`: the writer service, run in the worker process;
 - :mod:`._store`: the on-disk format (manifest, publish, ``latest``, retention, load).
@@ -10,6 +11,7 @@
 
 from ._commit import CommitResult as CommitResult
 from ._engine import CheckpointEngine as CheckpointEngine
+from ._stager import Staged as Staged
 from ._store import load_checkpoint as load_checkpoint
 
-__all__ = ("CheckpointEngine", "CommitResult", "load_checkpoint")
+__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")

@@ -1,10 +1,12 @@
 """Asynchronous, snapshot-consistent, crash-safe checkpoints: :class:`CheckpointEngine`.
 
-``save()`` plans the state and copies every tensor into shared staging memory on the
-engine's I/O thread, then returns; a spawned writer process (:mod:`._writer`) turns the
-staged tensors into plain ``torch.save`` files while training goes on. ``commit()``
-waits until every file of a tag is durable, then publishes it (:func:`._store.publish`,
-one call on the I/O thread). See :mod:`._store` for the on-disk protocol.
+``stage()`` returns at once while the state is planned on the engine's I/O thread and its
+tensors are copied into shared staging memory by a pool of threads (:mod:`._stager`,
+:mod:`._copy`); ``await engine.save()`` is ``await engine.stage()``. A spawned writer process
+(:mod:`._writer`) turns the staged tensors into plain ``torch.save`` files while training
+goes on. ``commit()`` waits until every file of a tag is durable, then publishes it
+(:func:`._store.publish`, one call on the I/O thread); ``commit_soon()`` does it in the
+background, owned by the engine. See :mod:`._store` for the on-disk protocol.
 """
 
 from __future__ import annotations
@@ -13,50 +15,34 @@ import asyncio
 import logging
 import os
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointError, ClosedError, InvalidStateError, RemoteError
+from .._errors import AoffloadError, CheckpointError, ClosedError, InvalidStateError, RemoteError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _lock, _store
 from ._commit import Catalog, CommitResult
-from ._plan import Plan, copy_into, plan
-from ._staging import Segment, SlotPool
-from ._writer import TARGET, FileRecord, MapSegment, SyncTree, TensorRecord, WriteFile, WriterConfig
+from ._stager import OpenTag as _OpenTag
+from ._stager import Staged, Stager
+from ._writer import TARGET, FileRecord, SyncTree, WriterConfig
 
-__all__ = ["CheckpointEngine", "CommitResult"]
+__all__ = ["CheckpointEngine", "CommitResult", "Staged"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _OpenTag:
-    """A tag with files staged or being written, not yet published."""
-
-    tag: str
-    tmpdir: Path
-    slot: Any
-    writes: dict[str, asyncio.Future[FileRecord]] = field(default_factory=dict)
-    staging: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    stage_seconds: float = 0.0
-    commit: asyncio.Task[CommitResult] | None = None
 
 
 class CheckpointEngine(AsyncResource):
     """Snapshot-consistent asynchronous checkpoints written by a spawned writer process.
 
-    Use as ``async with CheckpointEngine(directory) as engine:``; see :meth:`save`,
-    :meth:`commit` and :meth:`load`. ``keep_last`` keeps that many newest committed tags
-    (``None``: all). ``max_pending`` bounds the checkpoints staged but not yet durable
-    (each holds staging memory the size of its tensors). ``writer=False`` makes a
-    replica that validates names and writes nothing. ``durable=False`` skips fsync
-    (tests, scratch runs). Tags are ordered by commit: each manifest records a sequence
-    number one above the highest found in ``directory``.
+    Use as ``async with CheckpointEngine(directory) as engine:``; see :meth:`stage`,
+    :meth:`save`, :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
+    keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
+    checkpoints staged but not yet durable (each holds staging memory the size of its
+    tensors). ``writer=False`` makes a replica that validates names and writes nothing.
+    ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
+    manifest records a sequence number one above the highest found in ``directory``.
     """
 
     _what = "this CheckpointEngine"
@@ -95,9 +81,8 @@ class CheckpointEngine(AsyncResource):
         )
         self._io: DaemonThreadExecutor | None = None
         self._lock: _lock.DirectoryLock | None = None
-        self._slots = SlotPool(max_pending)
-        self._save_lock = asyncio.Lock()
-        self._open_tags: dict[str, _OpenTag] = {}
+        self._stager = Stager(self._directory, max_pending)
+        self._open_tags = self._stager.open_tags
         self._catalog = Catalog(self._directory, durable=durable, keep_last=keep_last)
         self._last_commit: asyncio.Task[CommitResult] | None = None
 
@@ -148,6 +133,7 @@ class CheckpointEngine(AsyncResource):
             found = await self._run_io(lambda: _store.scan(self._directory, clean=False))
         self._catalog.found(found)
         if self._bridge is not None:
+            await self._run_io(self._stager.start)
             await self._bridge.start()
 
     async def _close(self) -> None:
@@ -161,6 +147,7 @@ class CheckpointEngine(AsyncResource):
                 _, late = await asyncio.wait(commits, timeout=self._close_timeout)
                 for task in late:
                     task.cancel()
+            await self._stager.drain()
             for tag in self._open_tags:
                 logger.warning("checkpoint %r was saved but never committed; discarded", tag)
         finally:
@@ -172,10 +159,11 @@ class CheckpointEngine(AsyncResource):
                 for open_tag in list(self._open_tags.values()):
                     await self._run_io(_store.remove_tree, open_tag.tmpdir)
                 self._open_tags.clear()
-                await self._run_io(self._slots.close)
+                await self._run_io(self._stager.close)
                 self._executor().shutdown(wait=True)  # idle: its last call just returned
                 if self._lock is not None:
                     self._lock.release()  # last: nothing of this engine writes any more
+        self._stager.raise_background()
 
     def _check_writer(self) -> None:
         """Raise why the engine cannot save or commit now (closed, or its writer died)."""
@@ -185,113 +173,42 @@ class CheckpointEngine(AsyncResource):
 
     # -- save ---------------------------------------------------------------------------
 
-    async def save(self, state: object, name: str, *, tag: str) -> None:
-        """Snapshot ``state`` as file ``name`` of checkpoint ``tag``; return once copied.
+    def stage(self, state: object, name: str, *, tag: str) -> Staged:
+        """Start snapshotting ``state`` as file ``name`` of checkpoint ``tag``; return at once.
 
-        ``state`` is any nesting of dict/list/tuple holding tensors and picklable values.
-        When this returns, every tensor has been copied into staging memory: the caller
-        may mutate or free it at once. The file is written in the background; write
-        errors surface from :meth:`commit`. Waits while ``max_pending`` checkpoints are
-        staged and not yet durable. Raises :class:`InvalidStateError` naming the key or
-        file for bad input, :class:`WorkerDiedError` if the writer died.
+        Not a coroutine: it validates ``name`` and ``tag`` and starts the copy off the event
+        loop. ``await`` the returned :class:`Staged` before mutating any tensor of ``state``:
+        until it resolves they are being copied (a tensor mutated in place meanwhile fails
+        the staging with :class:`CheckpointError` naming its key; nothing torn is written).
+        Several calls with one ``tag`` form one checkpoint. The file is written in the
+        background; write errors surface from :meth:`commit`. While ``max_pending``
+        checkpoints are staged and not yet durable, the copy waits for room; it fails
+        (``CheckpointError``) when none of them is being committed. Raises
+        :class:`InvalidStateError` for a bad name or tag here, and from ``await`` naming the
+        key for bad input; :class:`WorkerDiedError` if the writer died; the failure of a
+        :meth:`commit_soon` commit.
         """
+        self._stager.raise_background()
         self._check_writer()
         name, tag = _store.validate_name(name), _store.validate_tag(tag)
         if self._catalog.committed(tag):
             raise InvalidStateError(f"checkpoint {tag!r} is already committed; use a new tag")
         if self._bridge is None:
-            return
-        planned: Plan = await self._run_io(plan, state, name)
-        async with self._save_lock:
-            open_tag = self._open_tags.get(tag)
-            created = open_tag is None
-            if open_tag is None:
-                slot = await self._slots.acquire(lambda: self._no_room(tag))
-                tmpdir = self._directory / f"{_store.TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
-                open_tag = self._open_tags[tag] = _OpenTag(tag, tmpdir, slot)
-                open_tag.idle.set()
-            if open_tag.commit is not None:
-                raise InvalidStateError(f"checkpoint {tag!r} is being committed; use a new tag")
-            if name in open_tag.writes:
-                raise InvalidStateError(f"file {name!r} was already saved in checkpoint {tag!r}")
-            open_tag.staging += 1
-            open_tag.idle.clear()
-            try:
-                await self._stage_and_send(self._bridge, open_tag, name, planned)
-            except BaseException:
-                if created and not open_tag.writes:
-                    self._release(open_tag)  # nothing reached the writer: free the slot again
-                raise
-            finally:
-                open_tag.staging -= 1
-                if open_tag.staging == 0:
-                    open_tag.idle.set()
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return Staged(done, None, name, tag)
+        return self._stager.stage(self._bridge, self._executor(), state, name, tag)
 
-    def _no_room(self, tag: str) -> str | None:
-        if any(t.commit is not None for t in self._open_tags.values()):
-            return None
-        return (
-            f"cannot stage checkpoint {tag!r}: max_pending={len(self._slots.slots)} "
-            f"checkpoints {sorted(self._open_tags)} are staged and none is being "
-            "committed; commit one first or raise max_pending"
-        )
+    async def save(self, state: object, name: str, *, tag: str) -> None:
+        """Snapshot ``state`` as file ``name`` of checkpoint ``tag``: ``await self.stage(...)``.
 
-    async def _stage_and_send(
-        self, bridge: Bridge, open_tag: _OpenTag, name: str, planned: Plan
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        # A new segment is reserved and populated page by page (~100 ms per 256 MiB): on
-        # the I/O thread, never on the loop. The writer maps it as soon as it exists, even
-        # if this save() was cancelled meanwhile, since later saves may use its space.
-        allocation = loop.run_in_executor(self._executor(), open_tag.slot.allocate, planned.nbytes)
-
-        def map_new_segment(done: asyncio.Future[tuple[Any, Segment | None]]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                new_segment = done.result()[1]
-                if new_segment is not None:
-                    self._map(bridge, new_segment)
-
-        allocation.add_done_callback(map_new_segment)
-        region, _ = await asyncio.shield(allocation)
-        copy = loop.run_in_executor(self._executor(), copy_into, region, planned)
-        # Cancelling save() abandons the wait; the copy ends on the I/O thread, which
-        # runs the next copy into this slot only after it.
-        open_tag.stage_seconds += await asyncio.shield(copy)
-        records = tuple(
-            TensorRecord(
-                region.offset + offset,
-                tensor.numel() * tensor.element_size(),
-                tensor.dtype,
-                tuple(tensor.shape),
-                tensor.requires_grad,
-            )
-            for tensor, offset in zip(planned.tensors, planned.offsets, strict=True)
-        )
-        message = WriteFile(
-            str(open_tag.tmpdir / name),
-            region.segment.path,
-            region.offset,
-            planned.skeleton_nbytes,
-            records,
-        )
-        future = bridge.call(message)
-        future.add_done_callback(mark_retrieved)  # commit() raises it
-        open_tag.writes[name] = future
-
-    def _map(self, bridge: Bridge, segment: Segment) -> None:
-        def mapped(future: asyncio.Future[None]) -> None:
-            segment.unlink()  # mapped in both processes (or the writer is gone): drop the name
-            mark_retrieved(future)  # a failed map fails the write that needs it
-
-        try:
-            bridge.call(MapSegment(segment.path, segment.size)).add_done_callback(mapped)
-        except BaseException:
-            segment.unlink()
-            raise
+        When this returns, every tensor has been copied into staging memory: the caller
+        may mutate or free it at once.
+        """
+        await self.stage(state, name, tag=tag)
 
     def _release(self, open_tag: _OpenTag) -> None:
-        self._open_tags.pop(open_tag.tag, None)
-        self._slots.release(open_tag.slot)
+        self._stager.release(open_tag)
 
     # -- commit -------------------------------------------------------------------------
 
@@ -304,6 +221,30 @@ class CheckpointEngine(AsyncResource):
         :class:`CheckpointError` naming the file when a write failed (the tag is
         discarded, ``latest`` unchanged), :class:`WorkerDiedError` if the writer died.
         """
+        self._stager.raise_background()
+        requested = self._request_commit(tag)
+        if isinstance(requested, CommitResult):
+            return requested
+        try:
+            return await asyncio.shield(requested)
+        except AoffloadError:
+            self._stager.seen(requested)  # raised here: not again from the next call
+            raise
+
+    def commit_soon(self, tag: str | None = None) -> None:
+        """Commit ``tag`` in the background; the engine owns the commit. Returns at once.
+
+        Use it where the trainer does not await the commit: a later :meth:`stage` waits for
+        room (``max_pending``) while it runs, its failure is raised from the engine's next
+        :meth:`stage`, :meth:`save`, :meth:`commit` or ``aclose()``, and ``commit(tag)``
+        returns its result. Raises what :meth:`commit` raises before it starts.
+        """
+        self._stager.raise_background()
+        requested = self._request_commit(tag)
+        if not isinstance(requested, CommitResult):
+            self._stager.background(requested)
+
+    def _request_commit(self, tag: str | None) -> CommitResult | asyncio.Task[CommitResult]:
         self._check_writer()
         if self._bridge is None:
             resolved = _store.validate_tag(tag) if tag is not None else ""
@@ -327,7 +268,7 @@ class CheckpointEngine(AsyncResource):
             )
             open_tag.commit.add_done_callback(mark_retrieved)
             self._last_commit = open_tag.commit
-        return await asyncio.shield(open_tag.commit)
+        return open_tag.commit
 
     async def _commit(
         self, bridge: Bridge, open_tag: _OpenTag, previous: asyncio.Task[CommitResult] | None
@@ -338,6 +279,7 @@ class CheckpointEngine(AsyncResource):
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])  # publish in commit order; its errors are its own
             await open_tag.idle.wait()
+            open_tag.raise_failures()
             if not open_tag.writes:
                 raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
             records = await self._written(open_tag)

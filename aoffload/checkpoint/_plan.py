@@ -7,29 +7,26 @@ pickling and the copy both grow with the state):
   skeleton) and lays the skeleton and the tensors out, aligned, in one staging region.
   Large payloads of the skeleton (a 64 MB ``bytes`` value) are kept by reference, not
   copied: the pickler hands them to :class:`_Chunks` as they are;
-* :func:`copy_into` copies the skeleton and the tensors into that region (CUDA tensors
-  on a side stream), so nothing that grows with the state crosses the pipe.
+* each tensor's version counter is read as the planner meets it; :mod:`._copy` compares
+  it after the copy, and :func:`key_of` names the key of a tensor that moved (the slow,
+  error-only path).
 
-A contiguous CPU tensor is copied with one ``memmove`` that releases the GIL; nothing
-here changes torch's thread count, which would change it for the trainer's threads too.
+The copy itself is :mod:`._copy`'s, so nothing that grows with the state crosses the pipe.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import pickle
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from .._errors import ClosedError, InvalidStateError
-from ._staging import Region, aligned
+from .._errors import InvalidStateError
+from ._staging import aligned
 
-__all__ = ["Plan", "copy_into", "plan"]
+__all__ = ["Plan", "key_of", "plan", "version_of"]
 
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
 
@@ -90,6 +87,7 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO | _Chunks) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.versions: list[int | None] = []
         self._ids: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
@@ -102,7 +100,32 @@ class _Pickler(pickle.Pickler):
                 raise _Unsupported(problem)
             index = self._ids[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
+            self.versions.append(version_of(obj))
         return index
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter, or ``None`` where it keeps none (inference mode)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
+
+
+def key_of(value: object, target: torch.Tensor, key: str = "state") -> str | None:
+    """The key path of ``target`` inside ``value`` (by identity), or ``None``."""
+    if value is target:
+        return key
+    items: Any = ()
+    if isinstance(value, dict):
+        items = ((f"{key}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(value))
+    for path, item in items:
+        found = key_of(item, target, path)
+        if found is not None:
+            return found
+    return None
 
 
 def _locate(value: object, key: str) -> tuple[str, str] | None:
@@ -131,7 +154,8 @@ class Plan:
     """A state ready to stage: its skeleton and tensors, and where each goes in the region.
 
     The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; tensor ``i``
-    at ``offsets[i]``; ``nbytes`` is the whole region's size.
+    at ``offsets[i]``, with version counter ``versions[i]`` as planned; ``nbytes`` is the
+    whole region's size. ``state`` is kept to name a key on the error path only.
     """
 
     skeleton: tuple[bytes | memoryview, ...]
@@ -139,6 +163,8 @@ class Plan:
     tensors: tuple[torch.Tensor, ...]
     offsets: tuple[int, ...]
     nbytes: int
+    versions: tuple[int | None, ...]
+    state: object
 
 
 def plan(state: object, name: str) -> Plan:
@@ -156,50 +182,12 @@ def plan(state: object, name: str) -> Plan:
     for tensor in pickler.tensors:
         offsets.append(total)
         total += aligned(tensor.numel() * tensor.element_size())
-    return Plan(skeleton, chunks.nbytes, tuple(pickler.tensors), tuple(offsets), total)
-
-
-def _memmove(target: int, source: bytes | memoryview) -> int:
-    """Copy ``source`` to address ``target`` without holding the GIL; returns its size."""
-    array = np.frombuffer(source, dtype=np.uint8)
-    if array.size:
-        ctypes.memmove(target, array.ctypes.data, array.size)
-    return int(array.size)
-
-
-def _copy_cpu(target: torch.Tensor, source: torch.Tensor) -> None:
-    if source.is_contiguous():
-        ctypes.memmove(target.data_ptr(), source.data_ptr(), target.numel() * target.element_size())
-    else:
-        target.copy_(source)
-
-
-def copy_into(region: Region, plan: Plan) -> float:
-    """Copy the plan's tensors into ``region``; returns the seconds it took."""
-    started = time.perf_counter()
-    array = region.segment.array
-    if array is None:
-        raise ClosedError("the checkpoint engine's staging memory was released")
-    position = array.data_ptr() + region.offset
-    for chunk in plan.skeleton:
-        position += _memmove(position, chunk)
-    cuda_streams: dict[torch.device, torch.cuda.Stream] = {}
-    for tensor, offset in zip(plan.tensors, plan.offsets, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
-            continue
-        start = region.offset + offset
-        target = array[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-        if tensor.is_cuda:
-            region.segment.pin()
-            stream = cuda_streams.get(tensor.device)
-            if stream is None:
-                stream = cuda_streams[tensor.device] = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
-                stream.wait_stream(torch.cuda.default_stream(tensor.device))
-            with torch.cuda.stream(stream):
-                target.copy_(tensor.detach(), non_blocking=True)
-        else:
-            _copy_cpu(target, tensor.detach())
-    for stream in cuda_streams.values():
-        stream.synchronize()
-    return time.perf_counter() - started
+    return Plan(
+        skeleton,
+        chunks.nbytes,
+        tuple(pickler.tensors),
+        tuple(offsets),
+        total,
+        tuple(pickler.versions),
+        state,
+    )

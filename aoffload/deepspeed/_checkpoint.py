@@ -24,7 +24,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .._errors import AoffloadError, CheckpointError, ClosedError
 from .._runtime.threads import Portal
-from ..checkpoint import CheckpointEngine, CommitResult
+from ..checkpoint import CheckpointEngine, CommitResult, Staged
 
 __all__ = ["AsyncCheckpointEngine", "install"]
 
@@ -37,14 +37,20 @@ class _Open:
 
     info: CheckpointCommitInfo
     files: int = 0
+    staged: list[Staged] = dataclasses.field(default_factory=list)
 
 
 class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
     """DeepSpeed decoupled checkpoint engine backed by :class:`aoffload.CheckpointEngine`.
 
-    ``save()`` returns once the state is snapshotted into staging memory. DeepSpeed calls
-    ``commit()`` at the next step boundary; it only *starts* aoffload's commit and returns, so
-    the trainer keeps stepping while the files are written and fsynced. aoffload publishes the
+    ``save()`` only *starts* the snapshot copy into staging memory and returns, so the copy
+    overlaps the next forward and backward. DeepSpeed calls ``commit()`` at the next step
+    boundary, before the optimizer step: it waits for that copy to end (the fence: the
+    optimizer never touches memory still being copied), then starts aoffload's commit and
+    returns, so the trainer keeps stepping while the files are written and fsynced. Until that
+    ``step()``, the saved tensors must not be modified in place (forward and backward do not
+    modify parameters or optimizer state); a modification is caught (``CheckpointError``
+    naming the key) rather than written torn. aoffload publishes the
     tag and moves ``save_dir/latest`` (the plain-text file DeepSpeed reads) only once the
     checkpoint is durable; ``get_commit_info()`` hands DeepSpeed ``save_latest=False`` so
     DeepSpeed never writes ``latest`` early. A failed background commit is raised from the next
@@ -140,6 +146,15 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         return name if tag == info.tag else None
 
     @staticmethod
+    async def _stage(engine: CheckpointEngine, state: object, name: str, tag: str) -> Staged:
+        return engine.stage(state, name, tag=tag)
+
+    @staticmethod
+    async def _fence(staged: list[Staged]) -> None:
+        for handle in staged:
+            await handle
+
+    @staticmethod
     async def _commit(engine: CheckpointEngine, tag: str) -> CommitResult:
         # aoffload publishes tags in commit order and moves `latest` (the same plain-text file
         # DeepSpeed reads) only once the tag is durable.
@@ -151,6 +166,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         if opened.files == 0:
             # Nothing of this tag went through aoffload (a replica, or only plain exports).
             return
+        # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
+        self._portal.call(self._fence(opened.staged))
         engine = self._bind(opened.info.save_dir)
         self._commits.append(self._portal.submit(self._commit(engine, opened.info.tag)))
 
@@ -173,7 +190,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: object, path: str) -> None:
-        """Snapshot ``state_dict`` for ``path``; returns before anything is written to disk.
+        """Start snapshotting ``state_dict`` for ``path``; returns before the copy ends.
 
         The writer for ``save_dir`` starts on the first save there. Paths outside
         ``save_dir/<tag>/`` (``save_16bit_model`` exports) are written at once with
@@ -189,7 +206,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             torch.save(state_dict, path)
             return
         engine = self._bind(self._open.info.save_dir)
-        self._portal.call(engine.save(state_dict, name, tag=self._open.info.tag))
+        staged = self._portal.call(self._stage(engine, state_dict, name, self._open.info.tag))
+        self._open.staged.append(staged)
         self._open.files += 1
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -199,10 +217,11 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Start committing ``info.tag`` and return at once; it becomes durable in the background.
+        """Wait for the tag's snapshot copy, start its commit, return; durable in the background.
 
-        DeepSpeed calls this at the step boundary after ``save_checkpoint()``; the trainer does
-        not wait for the disk. ``latest`` is updated only once the checkpoint is durable.
+        DeepSpeed calls this at the step boundary after ``save_checkpoint()``, before the
+        optimizer step; the trainer waits for the copy (the fence), never for the disk.
+        ``latest`` is updated only once the checkpoint is durable.
         """
         self._check_open()
         self._raise_failed()

@@ -1,0 +1,206 @@
+"""stage(): the snapshot copy starts at once and runs off the loop; the fence; background commits.
+
+Real writer process, real files; a mutation during a copy is a real in-place op on another
+thread, and a failing commit is a real rename onto a non-empty directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import aoffload
+
+from .test_checkpoint import assert_same
+
+MIB = 1 << 20
+
+
+def filled(value: float, mib: int = 1) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((mib * MIB // 4,), value)}
+
+
+@pytest.fixture(scope="module")
+def big() -> dict[str, torch.Tensor]:
+    """128 MiB, made before any event loop runs (filling it is the test's work, not ours)."""
+    return {f"w{i}": filled(float(i), 32)["w"] for i in range(4)}
+
+
+def never_retrieved(caplog: pytest.LogCaptureFixture) -> list[str]:
+    gc.collect()  # asyncio reports an unretrieved exception when its future is collected
+    return [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+async def test_stage_returns_at_once_and_the_fence_ends_the_copy(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.ones(64, 1024), "t": torch.randn(64, 32).t()}, "step": 7}
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 7}  # type: ignore[union-attr]
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        assert not inspect.iscoroutinefunction(engine.stage)
+        staged = engine.stage(state, "model.pt", tag="a")
+        assert isinstance(staged, aoffload.Staged)
+        assert not staged.done()  # nothing has run yet: the loop has not been yielded to
+        assert await staged is None
+        assert staged.done()
+        for tensor in state["model"].values():  # type: ignore[union-attr]
+            tensor.zero_()  # allowed after the fence
+        await engine.commit("a")
+        assert_same(await engine.load("model.pt"), expected)
+
+
+async def test_commit_awaits_the_tags_staging(tmp_path: Path) -> None:
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        engine.stage(filled(1.0), "a.pt", tag="t")
+        engine.stage(filled(2.0), "b.pt", tag="t")
+        result = await engine.commit("t")  # no `await staged`: commit fences first
+        assert set(result.files) == {"a.pt", "b.pt"}
+        assert_same(await engine.load("a.pt"), filled(1.0))
+        assert_same(await engine.load("b.pt"), filled(2.0))
+
+
+async def test_bad_name_or_tag_raises_from_the_call_itself(tmp_path: Path) -> None:
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        with pytest.raises(aoffload.InvalidStateError, match="file name"):
+            engine.stage({"w": torch.ones(1)}, "../x", tag="t")
+        with pytest.raises(aoffload.InvalidStateError, match="tag"):
+            engine.stage({"w": torch.ones(1)}, "m.pt", tag="a/b")
+        staged = engine.stage({"w": torch.ones(1)}, "m.pt", tag="t")
+        with pytest.raises(aoffload.InvalidStateError, match="already saved"):
+            engine.stage({"w": torch.ones(1)}, "m.pt", tag="t")
+        bad = engine.stage({"fn": lambda x: x}, "bad.pt", tag="t")  # found while pickling
+        with pytest.raises(aoffload.InvalidStateError, match=r"\['fn'\]"):
+            await bad
+        await staged
+        assert (await engine.commit("t")).files == ("m.pt",)
+
+
+def mutate_until(tensor: torch.Tensor, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            tensor.add_(1)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def test_a_tensor_mutated_during_its_copy_fails_the_staging_naming_its_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, big: dict[str, torch.Tensor]
+) -> None:
+    counter = torch.zeros(1)
+    state = {"model": big, "opt": {"step": counter}}
+    stop = threading.Event()
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(filled(1.0), "m.pt", tag="good")
+        await engine.commit("good")
+        thread = mutate_until(counter, stop)
+        try:
+            with pytest.raises(aoffload.CheckpointError, match=r"state\['opt'\]\['step'\]"):
+                await engine.save(state, "model.pt", tag="torn")
+            # Nobody awaits this one: commit() raises it, and publishes nothing.
+            engine.stage(filled(2.0), "other.pt", tag="torn2")
+            engine.stage(state, "model.pt", tag="torn2")
+            with pytest.raises(aoffload.CheckpointError, match="could not be staged"):
+                await engine.commit("torn2")
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join)
+        assert engine.latest() == "good"
+        # The engine stays usable, and the tags can be staged again.
+        await engine.save(state, "model.pt", tag="torn")
+        await engine.commit("torn")
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "torn"]
+    assert not never_retrieved(caplog)
+
+
+async def test_readme_pattern_waits_for_room_instead_of_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with aoffload.CheckpointEngine(tmp_path, max_pending=1) as engine:
+        commits = []
+        for step in range(4):  # the loop never yields but in save()
+            await engine.save(filled(float(step)), "m.pt", tag=f"s{step}")
+            commits.append(asyncio.create_task(engine.commit(f"s{step}")))
+        assert [r.tag for r in await asyncio.gather(*commits)] == ["s0", "s1", "s2", "s3"]
+        for step in range(4, 8):  # the engine owns the commit
+            staged = engine.stage(filled(float(step)), "m.pt", tag=f"s{step}")
+            await staged  # the fence, before the next optimizer step
+            engine.commit_soon(f"s{step}")
+        assert (await engine.commit("s7")).tag == "s7"
+        assert engine.tags() == [f"s{i}" for i in range(8)]
+        assert_same(await engine.load("m.pt"), filled(7.0))
+    assert not never_retrieved(caplog)
+
+
+async def test_a_failed_background_commit_is_raised_by_the_next_call(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with aoffload.CheckpointEngine(tmp_path, max_pending=1) as engine:
+        await engine.save(filled(1.0), "m.pt", tag="bad")
+        (tmp_path / "bad").mkdir()
+        (tmp_path / "bad" / "blocker").write_text("the tag cannot be renamed onto this")
+        engine.commit_soon("bad")
+        await engine.save(filled(2.0), "m.pt", tag="next")  # waits for room, does not raise
+        with pytest.raises(aoffload.CheckpointError, match="could not publish checkpoint 'bad'"):
+            engine.stage(filled(2.0), "x.pt", tag="next")  # the next call raises it
+        engine.commit_soon("next")  # raised once; the engine goes on
+        assert (await engine.commit("next")).tag == "next"
+        assert engine.latest() == "next"
+    assert not never_retrieved(caplog)
+
+
+async def test_a_failed_background_commit_is_raised_by_aclose(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = aoffload.CheckpointEngine(tmp_path)
+    await engine.start()
+    await engine.save(filled(1.0), "m.pt", tag="bad")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "blocker").write_text("")
+    engine.commit_soon("bad")
+    with pytest.raises(aoffload.CheckpointError, match="could not publish"):
+        await engine.aclose()
+    assert engine.latest() is None
+    assert not never_retrieved(caplog)
+
+
+async def test_the_loop_runs_while_the_copy_does(
+    tmp_path: Path, big: dict[str, torch.Tensor]
+) -> None:
+    state = big
+    ticks_during_copy = 0
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(state, "m.pt", tag="warm")  # fills the staging memory once
+        await engine.commit("warm")
+        staged = engine.stage(state, "m.pt", tag="t")
+        while not staged.done():
+            await asyncio.sleep(0.001)  # a tick of the loop: what a trainer's loop would run
+            ticks_during_copy += 1
+        await staged
+        await engine.commit("t")
+    assert ticks_during_copy >= 1
+
+
+def test_caplog_sees_asyncio_errors(caplog: pytest.LogCaptureFixture) -> None:
+    """The "never retrieved" checks above can fail: asyncio's report reaches caplog."""
+
+    async def main() -> None:
+        async def fail() -> None:
+            raise RuntimeError("boom")
+
+        task = asyncio.get_running_loop().create_task(fail())
+        await asyncio.sleep(0.01)
+        del task
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+        assert never_retrieved(caplog)
