@@ -81,9 +81,12 @@ def round_trip(rank: int, world: int, directory: Path, stages: list[int]) -> dic
             loaded[name] = _state(fresh)
             fresh.destroy()
         same = [
-            bool(torch.equal(a, b)) for a, b in zip(loaded["reference"], loaded["aoffload"], strict=True)
+            bool(torch.equal(a, b))
+            for a, b in zip(loaded["reference"], loaded["aoffload"], strict=True)
         ]
-        same_as_saved = [bool(torch.equal(a, b)) for a, b in zip(saved, loaded["aoffload"], strict=True)]
+        same_as_saved = [
+            bool(torch.equal(a, b)) for a, b in zip(saved, loaded["aoffload"], strict=True)
+        ]
         fp32_same = None
         if stage > 0 and rank == 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

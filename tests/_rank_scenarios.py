@@ -140,11 +140,13 @@ def trainer_killed(rank: int, world: int, directory: Path, victim: int) -> dict[
 
     async def main() -> dict[str, Any]:
         async with aoffload.CheckpointEngine(
-            directory, distributed=True, commit_timeout=3.0
+            directory, distributed=True, commit_timeout=TRAINER_TIMEOUT
         ) as engine:
-            await engine.save(shard(rank, 1), f"shard-{rank}.pt", tag="step-1")
+            await engine.save(shard(rank, 1, rows=8), f"shard-{rank}.pt", tag="step-1")
+            dist.barrier()  # a slow start-up must not count against commit_timeout
             await engine.commit("step-1")
-            await engine.save(shard(rank, 2), f"shard-{rank}.pt", tag="step-2")
+            await engine.save(shard(rank, 2, rows=8), f"shard-{rank}.pt", tag="step-2")
+            dist.barrier()
             if rank == victim:
                 os.kill(os.getpid(), signal.SIGKILL)
             failed = await _expect(engine.commit("step-2"))
@@ -152,6 +154,9 @@ def trainer_killed(rank: int, world: int, directory: Path, victim: int) -> dict[
         return {"failed": failed, "close_seconds": time.perf_counter() - closing}
 
     return aoffload.run(main())
+
+
+TRAINER_TIMEOUT = 8.0
 
 
 def random_kills(rank: int, world: int, directory: Path, rounds: int) -> dict[str, Any]:
@@ -193,7 +198,7 @@ def session(rank: int, world: int, directory: Path, scenarios: list[Any]) -> dic
         started = time.perf_counter()
         try:
             results[name] = globals()[name](rank, world, directory / name, **kwargs)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
             results[name] = {"error": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - started
         dist.barrier()

@@ -61,7 +61,9 @@ def _rank_main(
     )
     try:
         module, _, name = target.partition(":")
-        value = getattr(importlib.import_module(module), name)(rank, world, Path(directory), **kwargs)
+        value = getattr(importlib.import_module(module), name)(
+            rank, world, Path(directory), **kwargs
+        )
         result_path.write_text(json.dumps({"value": value}))
     except BaseException:
         result_path.write_text(json.dumps({"error": traceback.format_exc()}))

@@ -47,7 +47,8 @@ def test_every_rank_commits_one_manifest_and_agrees(two_ranks: Any) -> None:
     offloaded = [f"offloaded_tensors/rank{rank}/state.bin" for rank in range(2)]
     for rank, result in enumerate(results):
         assert result["files"] == [*offloaded, "shard-0.pt", "shard-1.pt"]  # NVMe files too
-        assert result["tags"] == ["step-1", "step-2"] and result["latest"] == "step-2"
+        assert result["tags"] == ["step-1", "step-2"]
+        assert result["latest"] == "step-2"
         assert result["loaded"] == 20.0 + rank
         assert result["after"] == "step-4"
         assert result["final_tags"] == ["step-1", "step-2", "step-4"]
@@ -83,8 +84,10 @@ def test_a_killed_writer_fails_the_commit_on_every_rank_and_names_it(two_ranks: 
 def test_a_failed_write_on_one_rank_fails_every_rank_and_all_stay_usable(two_ranks: Any) -> None:
     directory, results = scenario(two_ranks, "disk_full")
     victim, healthy = results[1]["failed"], results[0]["failed"]
-    assert victim[0] == "CheckpointError" and "File too large" in victim[1]
-    assert healthy[0] == "CheckpointError" and "failed on rank 1: a write failed" in healthy[1]
+    assert victim[0] == "CheckpointError"
+    assert "File too large" in victim[1]
+    assert healthy[0] == "CheckpointError"
+    assert "failed on rank 1: a write failed" in healthy[1]
     for result in results:
         assert result["tags"] == ["step-1", "step-3"]
         assert result["files"] == ["shard-0.pt", "shard-1.pt"]
@@ -108,7 +111,8 @@ def test_random_writer_kills_never_publish_a_partial_tag(two_ranks: Any) -> None
         assert len(result["kinds"]) == 10
         assert set(result["kinds"]) <= {"WorkerDiedError", "CheckpointError"}, rank
     tags = complete_tags(directory)  # raises on any partial tag
-    assert tags and not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+    assert tags
+    assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
 
 
 def test_a_dead_trainer_rank_is_named_after_commit_timeout(tmp_path: Path) -> None:
@@ -117,8 +121,8 @@ def test_a_dead_trainer_rank_is_named_after_commit_timeout(tmp_path: Path) -> No
     result = outcomes[0].check()
     kind, message, seconds = result["failed"]
     assert kind == "CheckpointError"
-    assert "rank(s) [1] did not report within commit_timeout=3.0 s" in message
-    assert seconds >= 3.0
+    assert "rank(s) [1] did not report within commit_timeout=8.0 s" in message
+    assert seconds >= 8.0
     assert result["close_seconds"] < 30.0  # aclose() does not wait for the dead rank
     assert complete_tags(tmp_path) == ["step-1"]
 
@@ -130,6 +134,7 @@ def test_four_ranks_with_one_writer_per_replica_pair(tmp_path: Path) -> None:
         result = outcome.check()
         offloaded = [f"offloaded_tensors/rank{r}/state.bin" for r in range(4)]
         assert result["files"] == [*offloaded, "shard-0.pt", "shard-1.pt"], rank
-        assert result["tags"] == ["step-1", "step-2"] and result["latest"] == "step-2"
+        assert result["tags"] == ["step-1", "step-2"]
+        assert result["latest"] == "step-2"
         assert result["final_tags"] == ["step-1", "step-2", "step-4"]
     assert complete_tags(tmp_path) == ["step-1", "step-2", "step-4"]

@@ -10,7 +10,7 @@ pytest.importorskip(
     "deepspeed", reason="DeepSpeed is not installed (pip install aoffload[deepspeed])"
 )
 
-from ._ranks import complete_tags, run_ranks  # noqa: E402
+from ._ranks import complete_tags, run_ranks
 
 pytestmark = pytest.mark.deepspeed
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ._common import Report, machine, progress, render
 
-SECTIONS = ("bridge", "checkpoint", "optimizer")
+SECTIONS = ("bridge", "checkpoint", "optimizer", "distributed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             _checkpoint.run(
                 report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
             )
+        elif section == "distributed":
+            from . import _distributed
+
+            _distributed.run(report, quick=args.quick)
         else:
             from . import _optimizer
 
