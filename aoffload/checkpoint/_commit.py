@@ -13,19 +13,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from .._errors import CheckpointError, RemoteError
+from .._errors import CheckpointError, InvalidStateError, RemoteError
 from .._runtime.bridge import Bridge
 from .._runtime.threads import DaemonThreadExecutor
 from . import _store
 from ._writer import FileRecord, SyncTree
 
-__all__ = ["Catalog", "CommitResult", "Writes", "write_out"]
+__all__ = ["Catalog", "CommitResult", "Writes", "commit_one", "write_out"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class Writes(Protocol):
     stage_seconds: float
 
 
+_W = TypeVar("_W", bound=Writes)
+
+
 async def write_out(
     bridge: Bridge | None, open_tag: Writes, latest: str | None
 ) -> dict[str, FileRecord]:
@@ -93,6 +97,43 @@ async def write_out(
     if records and bridge is not None:
         await bridge.request(SyncTree(str(open_tag.tmpdir)))
     return records
+
+
+async def commit_one(
+    open_tag: _W,
+    bridge: Bridge | None,
+    catalog: Catalog,
+    run_io: RunIO,
+    started: float,
+    latest: bool,
+    finish: Callable[[_W], None],
+) -> CommitResult:
+    """Commit the tag of a single-process engine: wait for its files, publish, retain."""
+    tag, published = open_tag.tag, False
+    try:
+        if not open_tag.writes:
+            raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
+        records = await write_out(bridge, open_tag, catalog.latest)
+        entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
+
+        def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
+            return CommitResult(
+                tag=tag,
+                path=catalog.directory / tag,
+                files=tuple(files),
+                bytes=sum(entry.bytes for entry in files.values()),
+                stage_seconds=open_tag.stage_seconds,
+                write_seconds=sum(record.seconds for record in records.values()),
+                commit_seconds=time.perf_counter() - started,
+            )
+
+        done = await catalog.publish(run_io, open_tag.tmpdir, tag, entries, result, latest=latest)
+        published = True
+        return done
+    finally:
+        finish(open_tag)
+        if not published:
+            await run_io(_store.remove_tree, open_tag.tmpdir)
 
 
 class Catalog:

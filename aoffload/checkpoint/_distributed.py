@@ -60,6 +60,9 @@ from .._runtime.bridge import Bridge
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _lock, _store
 from ._commit import Catalog, CommitResult, RunIO, Writes, write_out
+from ._keys import Keys as _Keys
+from ._keys import first_line as _first_line
+from ._keys import merge_reports
 from ._writer import FileRecord
 
 __all__ = ["Ranks"]
@@ -72,27 +75,6 @@ _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-e
 _WRITTEN = "written"
 _ACK_SECONDS = 10.0
 """How long rank 0's ``aclose()`` keeps the store up for the others to read the last result."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-class _Keys:
-    """The store keys of commit ``n`` of run ``run``."""
-
-    def __init__(self, run: str, n: int) -> None:
-        self.run, self.n = run, n
-        self.prefix = f"aoffload/{run}/{n}/"
-        self.outcome = self.prefix + "outcome"
-        self.count = self.prefix + "count"
-        self.result = self.prefix + "result"
-
-    def report(self, rank: int) -> str:
-        return f"{self.prefix}report/{rank}"
-
-    def ack(self, rank: int) -> str:
-        return f"{self.prefix}ack/{rank}"
 
 
 class Ranks:
@@ -318,7 +300,7 @@ class Ranks:
         published: dict[str, _store.FileEntry] = {}
         try:
             reports = await self._on(self._control, self._reports, keys)
-            entries, sources = self._merge(tag, reports)
+            entries, sources = merge_reports(tag, reports, self._directory)
 
             def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
                 published.update(files)
@@ -348,32 +330,6 @@ class Ranks:
     def _reports(self, keys: _Keys) -> list[dict[str, Any]]:
         values = self._store.multi_get([keys.report(r) for r in range(self.world)])
         return [json.loads(bytes(value).decode()) for value in values]
-
-    def _merge(
-        self, tag: str, reports: list[dict[str, Any]]
-    ) -> tuple[dict[str, _store.FileEntry], dict[Path, list[str]]]:
-        """Every rank's files as manifest entries, and the peers' directories to gather."""
-        entries: dict[str, _store.FileEntry] = {}
-        owner: dict[str, int] = {}
-        sources: dict[Path, list[str]] = {}
-        for rank, report in enumerate(reports):
-            if report["tag"] != tag:
-                raise CheckpointError(
-                    f"rank {rank} committed tag {report['tag']!r} while rank 0 committed "
-                    f"{tag!r}: every rank must commit the same tags in the same order"
-                )
-            for name, (nbytes, xxh3, _) in report["files"].items():
-                if name in owner:
-                    raise CheckpointError(
-                        f"checkpoint {tag!r}: file {name!r} was saved by rank {owner[name]} "
-                        f"and by rank {rank}; file names must be unique across ranks "
-                        "(put the rank in the name)"
-                    )
-                owner[name] = rank
-                entries[name] = _store.FileEntry(nbytes, xxh3)
-            if rank != 0 and report["files"]:
-                sources[self._directory / report["dir"]] = list(report["files"])
-        return entries, sources
 
     def _announce(self, keys: _Keys, answer: str) -> None:
         self._store.set(keys.result, answer)

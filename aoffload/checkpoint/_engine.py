@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _store
-from ._commit import Catalog, CommitResult, write_out
+from ._commit import Catalog, CommitResult, commit_one
 from ._distributed import Ranks
 from ._plan import Plan, copy_into, plan
 from ._staging import Segment, SlotPool
@@ -359,33 +358,9 @@ class CheckpointEngine(AsyncResource):
             return await self._ranks.commit(
                 open_tag, self._bridge, self._catalog, self._run_io, started, latest, self._finish
             )
-        tag, published = open_tag.tag, False
-        try:
-            if not open_tag.writes:
-                raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
-            records = await write_out(self._bridge, open_tag, self._catalog.latest)
-            entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
-
-            def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
-                return CommitResult(
-                    tag=tag,
-                    path=self._directory / tag,
-                    files=tuple(files),
-                    bytes=sum(entry.bytes for entry in files.values()),
-                    stage_seconds=open_tag.stage_seconds,
-                    write_seconds=sum(record.seconds for record in records.values()),
-                    commit_seconds=time.perf_counter() - started,
-                )
-
-            done = await self._catalog.publish(
-                self._run_io, open_tag.tmpdir, tag, entries, result, latest=latest
-            )
-            published = True
-            return done
-        finally:
-            self._release(open_tag)
-            if not published:
-                await self._run_io(_store.remove_tree, open_tag.tmpdir)
+        return await commit_one(
+            open_tag, self._bridge, self._catalog, self._run_io, started, latest, self._finish
+        )
 
     def _finish(self, open_tag: _OpenTag) -> None:
         """Forget a tag whose commit ended (its writes settled), freeing its slot if any."""
