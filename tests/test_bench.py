@@ -40,7 +40,7 @@ def test_quick_benchmark_writes_every_figure(tmp_path: Path) -> None:
     assert data["machine"]["cpus"] >= 1
     assert data["options"]["quick"] is True
     sections = {f["section"] for f in data["figures"]}
-    assert sections == {"bridge", "checkpoint", "optimizer"}
+    assert sections == {"bridge", "checkpoint", "optimizer", "distributed"}
     for figure in data["figures"]:
         assert {"system", "metric", "unit", "median", "min", "max", "samples"} <= set(figure)
         assert figure["min"] <= figure["median"] <= figure["max"]
@@ -51,6 +51,8 @@ def test_quick_benchmark_writes_every_figure(tmp_path: Path) -> None:
         "aoffload CPUAdam (torch)",
         "aoffload bridge (asyncio)",
         "plain blocking pipe",
+        "aoffload distributed",
+        "dcp.async_save (gloo)",
     ):
         assert expected in systems, f"{expected} neither measured nor reported as skipped"
     for skipped in data["skipped"]:
