@@ -44,7 +44,7 @@ def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-4000:]
-    for section in ("bridge", "checkpoint", "optimizer", "overlap", "loop lag"):
+    for section in ("bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed"):
         assert f"## {section}" in completed.stdout
     assert "## FAILED" not in completed.stdout
     data = json.loads(out.read_text())
@@ -52,7 +52,7 @@ def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
     assert data["options"]["quick"] is True
     assert data["machine"]["cpus"] >= 1
     assert {f["section"] for f in data["figures"]} >= {
-        "bridge", "checkpoint", "optimizer", "overlap", "loop lag",
+        "bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed",
     }  # fmt: skip
 
     skipped_aoffload = [s for s in data["skipped"] if s["system"].startswith("aoffload")]
@@ -82,6 +82,7 @@ def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
         "aoffload CPUAdam (deepspeed, worker_cores=0.8)",
         "aoffload CPUAdam (torch, worker_cores=0.8)",
         "aoffload CPUAdam (deepspeed, worker_cores=None)",
+        "aoffload distributed",
     ):
         assert system in measured, f"{system} was not measured"
 

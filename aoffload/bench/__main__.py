@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ._common import Report, machine, progress, render
 
-SECTIONS = ("bridge", "checkpoint", "optimizer", "overlap", "looplag")
+SECTIONS = ("bridge", "checkpoint", "optimizer", "overlap", "looplag", "distributed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +113,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
 
         _optimizer.run(report, quick=args.quick)
         _optimizer_state.run(report, quick=args.quick)
+    elif section == "distributed":
+        from . import _distributed
+
+        _distributed.run(report, quick=args.quick)
     elif section == "looplag":
         from . import _looplag
 

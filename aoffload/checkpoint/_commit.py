@@ -1,4 +1,4 @@
-"""What a directory has committed, and the last phase of a commit: publish, then retain.
+"""What a directory has committed, and the phases of a commit: wait for the writes, publish, retain.
 
 :class:`Catalog` is the engine's view of the directory (committed tags in commit order,
 ``latest``, the last sequence number, the results of its own commits). Its
@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, InvalidStateError, RemoteError
+from .._runtime.bridge import Bridge
 from .._runtime.threads import DaemonThreadExecutor
 from . import _store
+from ._writer import FileRecord, SyncTree
 
-__all__ = ["Catalog", "CommitResult"]
+__all__ = ["Catalog", "CommitResult", "Writes", "commit_one", "write_out"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,84 @@ class CommitResult:
         return self.bytes / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
 
 
+class Writes(Protocol):
+    """What a commit needs of a tag the engine has open: its files and where they go."""
+
+    tag: str
+    tmpdir: Path
+    writes: dict[str, asyncio.Future[FileRecord]]
+    stage_seconds: float
+
+    def raise_failures(self) -> None:
+        """Raise the first failure of a staging nobody awaited, once."""
+
+
+_W = TypeVar("_W", bound=Writes)
+
+
+async def write_out(
+    bridge: Bridge | None, open_tag: Writes, latest: str | None
+) -> dict[str, FileRecord]:
+    """Wait until every file of ``open_tag`` is written, then fsync its directory tree.
+
+    Raises :class:`CheckpointError` naming the first file whose write failed,
+    :class:`WorkerDiedError` if the writer died. A tag with no files (a replica, or a
+    rank that saved nothing) needs no writer and returns at once.
+    """
+    open_tag.raise_failures()
+    records: dict[str, FileRecord] = {}
+    for name, future in open_tag.writes.items():
+        try:
+            records[name] = await future
+        except RemoteError as exc:
+            raise CheckpointError(
+                f"could not write {name!r} of checkpoint {open_tag.tag!r} to "
+                f"{open_tag.tmpdir / name}: {exc.remote_message}; the checkpoint is "
+                f"discarded, {_store.LATEST!r} still names {latest!r}"
+            ) from exc
+    if records and bridge is not None:
+        await bridge.request(SyncTree(str(open_tag.tmpdir)))
+    return records
+
+
+async def commit_one(
+    open_tag: _W,
+    bridge: Bridge | None,
+    catalog: Catalog,
+    run_io: RunIO,
+    started: float,
+    latest: bool,
+    finish: Callable[[_W], None],
+) -> CommitResult:
+    """Commit the tag of a single-process engine: wait for its files, publish, retain."""
+    tag, published = open_tag.tag, False
+    try:
+        open_tag.raise_failures()
+        if not open_tag.writes:
+            raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
+        records = await write_out(bridge, open_tag, catalog.latest)
+        entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
+
+        def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
+            return CommitResult(
+                tag=tag,
+                path=catalog.directory / tag,
+                files=tuple(files),
+                bytes=sum(entry.bytes for entry in files.values()),
+                stage_seconds=open_tag.stage_seconds,
+                write_seconds=sum(record.seconds for record in records.values()),
+                commit_seconds=time.perf_counter() - started,
+            )
+
+        done = await catalog.publish(run_io, open_tag.tmpdir, tag, entries, result, latest=latest)
+        published = True
+        return done
+    finally:
+        finish(open_tag)
+        if not published:
+            await run_io(_store.remove_tree, open_tag.tmpdir)
+
+
 class Catalog:
     """The committed tags of one directory, as of the engine's start and its own commits."""
 
@@ -88,12 +169,15 @@ class Catalog:
         tmpdir: Path,
         tag: str,
         files: Mapping[str, _store.FileEntry],
-        result: Callable[[], CommitResult],
+        result: Callable[[Mapping[str, _store.FileEntry]], CommitResult],
+        *,
+        latest: bool = True,
     ) -> CommitResult:
-        """Publish ``tmpdir`` as ``tag`` and move ``latest``; then apply retention.
+        """Publish ``tmpdir`` as ``tag`` and (with ``latest``) move ``latest``; then retain.
 
-        ``result()`` builds the :class:`CommitResult` once the tag is published.
-        Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
+        ``result(files)`` builds the :class:`CommitResult` from every published file once
+        the tag is published. Raises :class:`CheckpointError` (``latest`` unchanged) if
+        publishing failed.
         """
         try:
             publish = functools.partial(
@@ -104,17 +188,16 @@ class Catalog:
                 self.sequence + 1,
                 files,
                 durable=self._durable,
+                latest=latest,
             )
-            await run_io(publish)
+            published: Mapping[str, _store.FileEntry] = await run_io(publish)
         except OSError as exc:
             raise CheckpointError(
                 f"could not publish checkpoint {tag!r} in {self.directory}: {exc}; "
                 f"{_store.LATEST!r} still names {self.latest!r}"
             ) from exc
-        self.sequence += 1
-        self.tags.append(tag)
-        self.latest = tag
-        done = self.results[tag] = result()
+        done = result(published)
+        self.record(tag, self.sequence + 1, done, latest=latest)
         logger.info(
             "checkpoint %s committed: %d files, %.3f GB, staged in %.3f s, written in "
             "%.3f s (%.2f GB/s), commit %.3f s",
@@ -128,6 +211,19 @@ class Catalog:
         )
         await self._retain(run_io)
         return done
+
+    def record(self, tag: str, sequence: int, done: CommitResult, *, latest: bool) -> None:
+        """Take note that ``tag`` was published as ``sequence`` (by this engine or rank 0)."""
+        self.sequence = sequence
+        self.tags.append(tag)
+        if latest:
+            self.latest = tag
+        self.results[tag] = done
+
+    def forget_old(self) -> None:
+        """Apply ``keep_last`` to this view only (rank 0 deletes the tags themselves)."""
+        while self._keep_last is not None and len(self.tags) > self._keep_last:
+            self.results.pop(self.tags.pop(0), None)
 
     async def _retain(self, run_io: RunIO) -> None:
         if self._keep_last is None:

@@ -15,18 +15,20 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from .._errors import AoffloadError, CheckpointError, ClosedError, InvalidStateError, RemoteError
+from .._errors import AoffloadError, ClosedError, InvalidStateError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _lock, _store
-from ._commit import Catalog, CommitResult
+from ._commit import Catalog, CommitResult, commit_one
+from ._distributed import Ranks
 from ._stager import OpenTag as _OpenTag
 from ._stager import Staged, Stager
-from ._writer import TARGET, FileRecord, SyncTree, WriterConfig
+from ._writer import TARGET, WriterConfig
 
 __all__ = ["CheckpointEngine", "CommitResult", "Staged"]
 
@@ -43,6 +45,11 @@ class CheckpointEngine(AsyncResource):
     tensors). ``writer=False`` makes a replica that validates names and writes nothing.
     ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
     manifest records a sequence number one above the highest found in ``directory``.
+
+    ``distributed=True`` makes one checkpoint of every rank of a ``torch.distributed``
+    job (see :mod:`._distributed`): ``start()`` and ``commit()`` are collectives, each
+    rank saves its own files, and ``commit_timeout`` bounds the wait for a rank that
+    never reports.
     """
 
     _what = "this CheckpointEngine"
@@ -58,6 +65,8 @@ class CheckpointEngine(AsyncResource):
         start_timeout: float = 60.0,
         close_timeout: float = 30.0,
         direct_io: bool = True,
+        distributed: bool = False,
+        commit_timeout: float = 300.0,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
@@ -85,6 +94,11 @@ class CheckpointEngine(AsyncResource):
         self._open_tags = self._stager.open_tags
         self._catalog = Catalog(self._directory, durable=durable, keep_last=keep_last)
         self._last_commit: asyncio.Task[CommitResult] | None = None
+        self._ranks = (
+            Ranks(self._directory, writer=writer, durable=durable, timeout=commit_timeout)
+            if distributed
+            else None
+        )
 
     # -- introspection -----------------------------------------------------------------
 
@@ -120,7 +134,9 @@ class CheckpointEngine(AsyncResource):
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
         self._io = DaemonThreadExecutor("aoffload-checkpoint-io")
         found: _store.Scan
-        if self._writer:
+        if self._ranks is not None:  # a collective start; rank 0 alone may clean (see _lock)
+            found = await self._ranks.start()
+        elif self._writer:
             await self._run_io(lambda: self._directory.mkdir(parents=True, exist_ok=True))
             # The directory lock (see _lock): held shared while this engine lives; leftovers
             # of dead runs are removed only by an engine alone in the directory.
@@ -155,6 +171,10 @@ class CheckpointEngine(AsyncResource):
                 if self._bridge is not None:
                     await self._bridge.aclose()
             finally:
+                if self._ranks is not None:  # tell the peers; settle discarded writes
+                    await self._ranks.close(
+                        writer_died=self._bridge is not None and self._bridge.dead
+                    )
                 await self._catalog.close()
                 for open_tag in list(self._open_tags.values()):
                     await self._run_io(_store.remove_tree, open_tag.tmpdir)
@@ -212,17 +232,22 @@ class CheckpointEngine(AsyncResource):
 
     # -- commit -------------------------------------------------------------------------
 
-    async def commit(self, tag: str | None = None) -> CommitResult:
-        """Make checkpoint ``tag`` durable and publish it as ``latest``; see :mod:`._store`.
+    async def commit(self, tag: str | None = None, *, latest: bool = True) -> CommitResult:
+        """Make checkpoint ``tag`` durable and publish it (and ``latest``); see :mod:`._store`.
 
-        ``tag=None`` commits the single open tag. Cancelling the awaiting task abandons
-        the wait only: the commit goes on, and a later ``commit(tag)`` returns its result.
-        Raises :class:`InvalidStateError` when nothing was saved under ``tag``,
-        :class:`CheckpointError` naming the file when a write failed (the tag is
-        discarded, ``latest`` unchanged), :class:`WorkerDiedError` if the writer died.
+        ``tag=None`` commits the single open tag; ``latest=False`` publishes the tag
+        without moving ``latest``. It first waits for the tag's staging. Cancelling the
+        awaiting task abandons the wait only: the commit goes on, and a later
+        ``commit(tag)`` returns its result. Raises :class:`InvalidStateError` when nothing
+        was saved under ``tag``, :class:`CheckpointError` naming the file when a staging
+        or a write failed (the tag is discarded, ``latest`` unchanged),
+        :class:`WorkerDiedError` if the writer died. With ``distributed=True`` every rank
+        calls it with the same tags in the same order; a rank that saved nothing under
+        ``tag`` takes part with no files, and a failure on any rank raises on every rank
+        (:class:`CheckpointError` naming it).
         """
         self._stager.raise_background()
-        requested = self._request_commit(tag)
+        requested = self._request_commit(tag, latest)
         if isinstance(requested, CommitResult):
             return requested
         try:
@@ -240,13 +265,15 @@ class CheckpointEngine(AsyncResource):
         returns its result. Raises what :meth:`commit` raises before it starts.
         """
         self._stager.raise_background()
-        requested = self._request_commit(tag)
+        requested = self._request_commit(tag, True)
         if not isinstance(requested, CommitResult):
             self._stager.background(requested)
 
-    def _request_commit(self, tag: str | None) -> CommitResult | asyncio.Task[CommitResult]:
+    def _request_commit(
+        self, tag: str | None, latest: bool
+    ) -> CommitResult | asyncio.Task[CommitResult]:
         self._check_writer()
-        if self._bridge is None:
+        if self._bridge is None and self._ranks is None:
             resolved = _store.validate_tag(tag) if tag is not None else ""
             return CommitResult(resolved, self._directory / resolved, (), 0, 0.0, 0.0, 0.0)
         if tag is None:
@@ -260,63 +287,29 @@ class CheckpointEngine(AsyncResource):
         if tag in self._catalog.results:
             return self._catalog.results[tag]
         open_tag = self._open_tags.get(tag)
+        if open_tag is None and self._ranks is not None:  # this rank has no files in it
+            tmpdir = self._directory / f"{_store.TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
+            open_tag = self._open_tags[tag] = _OpenTag(tag, tmpdir)
+            open_tag.idle.set()
         if open_tag is None:
             raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
         if open_tag.commit is None:
-            open_tag.commit = asyncio.create_task(
-                self._commit(self._bridge, open_tag, self._last_commit)
-            )
+            open_tag.commit = asyncio.create_task(self._commit(open_tag, self._last_commit, latest))
             open_tag.commit.add_done_callback(mark_retrieved)
             self._last_commit = open_tag.commit
         return open_tag.commit
 
     async def _commit(
-        self, bridge: Bridge, open_tag: _OpenTag, previous: asyncio.Task[CommitResult] | None
+        self, open_tag: _OpenTag, previous: asyncio.Task[CommitResult] | None, latest: bool
     ) -> CommitResult:
         started = time.perf_counter()
-        tag, published = open_tag.tag, False
-        try:
-            if previous is not None and not previous.done():
-                await asyncio.wait([previous])  # publish in commit order; its errors are its own
-            await open_tag.idle.wait()
-            open_tag.raise_failures()
-            if not open_tag.writes:
-                raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
-            records = await self._written(open_tag)
-            await bridge.request(SyncTree(str(open_tag.tmpdir)))
-            entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
-
-            def result() -> CommitResult:
-                return CommitResult(
-                    tag=tag,
-                    path=self._directory / tag,
-                    files=tuple(records),
-                    bytes=sum(record.nbytes for record in records.values()),
-                    stage_seconds=open_tag.stage_seconds,
-                    write_seconds=sum(record.seconds for record in records.values()),
-                    commit_seconds=time.perf_counter() - started,
-                )
-
-            done = await self._catalog.publish(self._run_io, open_tag.tmpdir, tag, entries, result)
-            published = True
-            return done
-        finally:
-            self._release(open_tag)
-            if not published:
-                await self._run_io(_store.remove_tree, open_tag.tmpdir)
-
-    async def _written(self, open_tag: _OpenTag) -> dict[str, FileRecord]:
-        records: dict[str, FileRecord] = {}
-        for name, future in open_tag.writes.items():
-            try:
-                records[name] = await future
-            except RemoteError as exc:
-                raise CheckpointError(
-                    f"could not write {name!r} of checkpoint {open_tag.tag!r} to "
-                    f"{open_tag.tmpdir / name}: {exc.remote_message}; the checkpoint is "
-                    f"discarded, {_store.LATEST!r} still names {self._catalog.latest!r}"
-                ) from exc
-        return records
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])  # publish in commit order; its errors are its own
+        await open_tag.idle.wait()
+        args = (open_tag, self._bridge, self._catalog, self._run_io, started, latest)
+        if self._ranks is not None:  # one commit across every rank
+            return await self._ranks.commit(*args, self._release)
+        return await commit_one(*args, self._release)
 
     # -- load ---------------------------------------------------------------------------
 

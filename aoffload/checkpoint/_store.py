@@ -3,6 +3,10 @@
 ::
 
     directory/.tmp-<tag>-<id>/<files>        written and fsynced by the writer
+    (distributed: one such directory per rank; rank 0 renames the others' files into
+    its own, :func:`gather`, once every rank reported them durable)
+    directory/<tag>/<files> put there by others (DeepSpeed's NVMe ``offloaded_tensors``)
+        are moved in too, hashed and fsynced: they are published with the tag (:func:`adopt`)
     directory/.tmp-<tag>-<id>/.aoffload-manifest.json   sizes + xxh3-64 of every file, last
     rename .tmp-<tag>-<id> -> <tag>, fsync directory    the tag now exists, complete
     latest.tmp -> os.replace -> latest, fsync directory the pointer moves atomically
@@ -43,6 +47,9 @@ __all__ = [
     "MapLocation",
     "Scan",
     "load_checkpoint",
+    "adopt",
+    "digest",
+    "gather",
     "publish",
     "read_latest",
     "read_manifest",
@@ -174,6 +181,83 @@ def scan(directory: Path, *, clean: bool) -> Scan:
     return Scan([tag for _, tag in found], found[-1][0] if found else 0, latest)
 
 
+def digest(path: Path) -> FileEntry:
+    """The size and xxh3-64 of the file at ``path``, read in blocks (see :func:`verify_file`)."""
+    with open(path, "rb", buffering=0) as file:
+        hasher = xxhash.xxh3_64()
+        size = 0
+        with mmap.mmap(-1, _VERIFY_BLOCK) as block, memoryview(block) as view:
+            while n := file.readinto(view):
+                hasher.update(view[:n])
+                size += n
+    return FileEntry(size, hasher.hexdigest())
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _, names in os.walk(root):
+        for name in names:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
+def gather(tmpdir: Path, sources: Mapping[Path, list[str]], *, durable: bool) -> None:
+    """Rename every rank's files (``sources``: its tmp directory -> its names) into ``tmpdir``.
+
+    Each source directory is removed once empty; its files were durable before (the rank
+    reported them so), and the renames are made durable by fsyncing ``tmpdir``'s tree.
+    """
+    tmpdir.mkdir(exist_ok=True)
+    for source, names in sources.items():
+        for name in names:
+            target = tmpdir / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(source / name, target)
+        remove_tree(source)
+    if durable:
+        for folder, _, _ in os.walk(tmpdir):
+            fsync_path(Path(folder))
+
+
+def adopt(
+    tmpdir: Path, existing: Path, files: Mapping[str, FileEntry], *, durable: bool
+) -> dict[str, FileEntry]:
+    """Move what others put in the uncommitted ``existing`` tag directory into ``tmpdir``.
+
+    DeepSpeed copies NVMe-offloaded optimizer state into ``save_dir/<tag>/offloaded_tensors``
+    itself, around the checkpoint engine; those files are published with the tag: hashed,
+    fsynced and listed in the manifest. A name that a rank also saved is a
+    :class:`CheckpointError`. Returns the adopted files' entries.
+    """
+    adopted: dict[str, FileEntry] = {}
+    if not existing.is_dir():
+        return adopted
+    for folder, _, names in os.walk(existing):
+        for name in names:
+            path = Path(folder) / name
+            relative = path.relative_to(existing).as_posix()
+            if relative in files:
+                raise CheckpointError(
+                    f"{path} exists already and was also saved through the engine; "
+                    "remove it or save under another name"
+                )
+            adopted[relative] = digest(path)
+    if durable:
+        _sync_tree(existing)
+    for entry in os.listdir(existing):
+        if (tmpdir / entry).exists():
+            # a top-level folder both sides have (`offloaded_tensors` next to saved files)
+            for folder, _, names in os.walk(existing / entry):
+                for name in names:
+                    target = tmpdir / (Path(folder) / name).relative_to(existing)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(Path(folder) / name, target)
+            remove_tree(existing / entry)
+        else:
+            os.rename(existing / entry, tmpdir / entry)
+    os.rmdir(existing)
+    return adopted
+
+
 def publish(
     tmpdir: Path,
     directory: Path,
@@ -182,14 +266,22 @@ def publish(
     files: Mapping[str, FileEntry],
     *,
     durable: bool,
-) -> None:
-    """Write the manifest last, rename the tag into place, then move ``latest`` (atomically)."""
+    latest: bool = True,
+) -> dict[str, FileEntry]:
+    """Write the manifest last, rename the tag into place, then move ``latest`` (atomically).
+
+    Files already in an uncommitted ``directory/tag`` are published too (:func:`adopt`).
+    ``latest=False`` leaves the ``latest`` pointer alone. Returns every published file.
+    """
+    tmpdir.mkdir(exist_ok=True)
+    everything = dict(files)
+    everything.update(adopt(tmpdir, directory / tag, files, durable=durable))
     manifest = {
         "format": FORMAT,
         "tag": tag,
         "sequence": sequence,
         "created": time.time(),
-        "files": {name: {"bytes": e.bytes, "xxh3_64": e.xxh3_64} for name, e in files.items()},
+        "files": {n: {"bytes": e.bytes, "xxh3_64": e.xxh3_64} for n, e in everything.items()},
     }
     _write_text(tmpdir / MANIFEST, json.dumps(manifest, indent=1), durable)
     if durable:
@@ -197,11 +289,13 @@ def publish(
     os.rename(tmpdir, directory / tag)
     if durable:
         fsync_path(directory)
-    pointer = directory / f".{LATEST}.tmp"
-    _write_text(pointer, tag + "\n", durable)
-    os.replace(pointer, directory / LATEST)
-    if durable:
-        fsync_path(directory)
+    if latest:
+        pointer = directory / f".{LATEST}.tmp"
+        _write_text(pointer, tag + "\n", durable)
+        os.replace(pointer, directory / LATEST)
+        if durable:
+            fsync_path(directory)
+    return everything
 
 
 def retire(directory: Path, tag: str, trash_name: str) -> Path:

@@ -12,9 +12,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointCommitInfo,
 )
@@ -61,6 +63,12 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
     the first ``save_dir`` it sees. The other keyword arguments go to
     :class:`aoffload.CheckpointEngine`. ``writer=False`` makes a data-parallel replica that writes
     nothing.
+
+    On several ranks (``distributed=None``: whenever ``torch.distributed`` runs with more than
+    one rank) every rank's engine takes part in one commit per tag (``distributed=True`` of
+    :class:`aoffload.CheckpointEngine`): the tag and ``latest`` are published once every rank's
+    files are durable. ``commit_timeout`` bounds the wait for a rank that never reports, and
+    also how long :meth:`wait`, ``load()`` and :meth:`cleanup` wait for commits in flight.
     """
 
     def __init__(
@@ -72,6 +80,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         writer: bool = True,
         durable: bool = True,
         start_timeout: float = 60.0,
+        distributed: bool | None = None,
+        commit_timeout: float = 300.0,
         config_params: object = None,
     ) -> None:
         super().__init__(config_params)
@@ -83,14 +93,20 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             "durable": durable,
             "start_timeout": start_timeout,
         }
+        if distributed is None:
+            distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            self._options.update(distributed=True, commit_timeout=commit_timeout)
+        self._distributed = distributed
+        self._commit_timeout = commit_timeout
         self._writer = writer
         self._directory: str | None = None
         self._engines: dict[str, CheckpointEngine] = {}
         self._open: _Open | None = None
-        self._commits: list[concurrent.futures.Future[CommitResult]] = []
+        self._commits: list[tuple[str, concurrent.futures.Future[CommitResult]]] = []
         self._closed = False
         self._portal = Portal("deepspeed-checkpoint")
-        if directory is not None and writer:
+        if directory is not None and (writer or distributed):  # a collective when distributed
             try:
                 self._bind(os.fspath(directory))
             except BaseException:
@@ -130,11 +146,11 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
 
     def _raise_failed(self) -> None:
         """Re-raise (once) the error of a background commit that has finished badly."""
-        for future in list(self._commits):
+        for tag, future in list(self._commits):
             if future.done() and not future.cancelled() and future.exception() is not None:
-                self._commits.remove(future)
+                self._commits.remove((tag, future))
                 future.result()
-        self._commits = [future for future in self._commits if not future.done()]
+        self._commits = [(tag, future) for tag, future in self._commits if not future.done()]
 
     def _in_open_tag(self, path: str) -> str | None:
         """``name`` when ``path`` is ``save_dir/<tag>/<name>`` of the open checkpoint."""
@@ -155,21 +171,24 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             await handle
 
     @staticmethod
-    async def _commit(engine: CheckpointEngine, tag: str) -> CommitResult:
+    async def _commit(engine: CheckpointEngine, tag: str, latest: bool) -> CommitResult:
         # aoffload publishes tags in commit order and moves `latest` (the same plain-text file
-        # DeepSpeed reads) only once the tag is durable.
-        result = await engine.commit(tag)
+        # DeepSpeed reads) only once the tag is durable (on every rank, when distributed).
+        result = await engine.commit(tag, latest=latest)
         logger.info("checkpoint %s is durable (%d bytes)", tag, result.bytes)
         return result
 
     def _start_commit(self, opened: _Open) -> None:
-        if opened.files == 0:
+        if opened.files == 0 and not self._distributed:
             # Nothing of this tag went through aoffload (a replica, or only plain exports).
             return
         # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
         self._portal.call(self._fence(opened.staged))
-        engine = self._bind(opened.info.save_dir)
-        self._commits.append(self._portal.submit(self._commit(engine, opened.info.tag)))
+        # Distributed: every rank takes part in every commit, with or without files.
+        info = opened.info
+        engine = self._bind(info.save_dir)
+        future = self._portal.submit(self._commit(engine, info.tag, info.save_latest))
+        self._commits.append((info.tag, future))
 
     # -- DeepSpeed's CheckpointEngine interface ---------------------------------------------
 
@@ -182,6 +201,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             opened, self._open = self._open, None
             self._start_commit(opened)
         self._open = _Open(info)
+        if self._distributed:
+            self._bind(info.save_dir)  # every rank calls create(): the start is a collective
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """Create ``path``, except the open tag's directory, which aoffload publishes."""
@@ -198,9 +219,15 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         """
         self._check_open()
         self._raise_failed()
+        name = self._in_open_tag(path)
+        if not self._writer and self._distributed and name:
+            raise CheckpointError(
+                f"DeepSpeed asked rank {dist.get_rank()} to save {path}, but its engine is a "
+                "replica (writer=False) and would drop it; with ZeRO stages >= 1 every rank "
+                "saves its own optimizer shard, so every rank must be a writer"
+            )
         if not self._writer:
             return
-        name = self._in_open_tag(path)
         if self._open is None or not name:
             logger.debug("%s is outside any open tag; writing it synchronously", path)
             torch.save(state_dict, path)
@@ -257,15 +284,28 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         return False
 
     def wait(self) -> None:
-        """Block until every started commit is durable and published; raise the first failure."""
+        """Block until every started commit is durable and published; raise the first failure.
+
+        Waits at most ``commit_timeout`` seconds in all, then raises :class:`CheckpointError`
+        naming the checkpoint still in flight (its commit goes on in the background).
+        """
         self._check_open()
+        deadline = time.monotonic() + self._commit_timeout
         while self._commits:
-            future = self._commits[0]
+            tag, future = self._commits[0]
             try:
-                future.result()
+                future.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except concurrent.futures.TimeoutError:
+                where = "on every rank " if self._distributed else ""
+                raise CheckpointError(
+                    f"waited {self._commit_timeout} s (commit_timeout) for checkpoint {tag!r} "
+                    f"in {self._directory} to become durable {where}and published; it is still "
+                    "being committed in the background. Check the writer's disk and the other "
+                    "ranks, or raise commit_timeout"
+                ) from None
             finally:
                 if future.done():
-                    self._commits.remove(future)
+                    self._commits.remove((tag, future))
 
     def cleanup(self) -> None:
         """Commit the open checkpoint, wait until durable, and stop the writer; idempotent."""

@@ -1,0 +1,134 @@
+"""Run a function on N real ranks: spawned processes joined by torch.distributed on gloo.
+
+``run_ranks(world, "tests.module:function", tmp_path, **kwargs)`` spawns ``world``
+processes with the environment a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT, CROSS_RANK, CROSS_SIZE), initialises the default process group on gloo
+and calls ``function(rank, world, directory, **kwargs)`` in each. It returns one
+:class:`Outcome` per rank: what the function returned (JSON), or its traceback, or the
+exit code of a rank that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import multiprocessing
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Outcome:
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+
+    def check(self) -> Any:
+        if self.error is not None or self.exitcode != 0:
+            raise AssertionError(f"rank {self.rank} (exit {self.exitcode}) failed:\n{self.error}")
+        return self.value
+
+
+def _rank_main(
+    target: str, rank: int, world: int, port: int, directory: str, kwargs: dict[str, Any]
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
+    )
+    import torch.distributed as dist
+
+    result_path = Path(directory) / f".rank-{rank}.json"
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        module, _, name = target.partition(":")
+        value = getattr(importlib.import_module(module), name)(
+            rank, world, Path(directory), **kwargs
+        )
+        result_path.write_text(json.dumps({"value": value}))
+    except BaseException:
+        result_path.write_text(json.dumps({"error": traceback.format_exc()}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    world: int, target: str, directory: Path, *, timeout: float = 90.0, **kwargs: Any
+) -> list[Outcome]:
+    """Run ``target`` on ``world`` ranks; every rank's :class:`Outcome`, in rank order."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(target, rank, world, port, str(directory), kwargs),
+            name=f"rank-{rank}",
+        )
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = []
+    for rank, process in enumerate(processes):
+        process.join(timeout)
+        if process.is_alive():
+            for other in processes:
+                other.kill()
+            raise AssertionError(f"rank {rank} did not finish within {timeout} s")
+        result_path = directory / f".rank-{rank}.json"
+        found = json.loads(result_path.read_text()) if result_path.exists() else {}
+        result_path.unlink(missing_ok=True)
+        outcomes.append(Outcome(rank, process.exitcode, found.get("value"), found.get("error")))
+    return outcomes
+
+
+def complete_tags(directory: Path) -> list[str]:
+    """Every visible tag directory, each checked complete against its manifest.
+
+    Raises AssertionError for a tag directory without a manifest or with a file that
+    does not match it: a partial tag.
+    """
+    from aoffload.checkpoint import _store
+
+    tags = []
+    for entry in sorted(os.listdir(directory)):
+        path = directory / entry
+        if entry.startswith(".") or not path.is_dir():
+            continue
+        manifest_path = path / _store.MANIFEST
+        if not manifest_path.is_file():
+            raise AssertionError(f"partial tag {entry!r}: no manifest; it holds {os.listdir(path)}")
+        manifest = json.loads(manifest_path.read_text())
+        for name, entry_ in manifest["files"].items():
+            _store.verify_file(path / name, entry_)
+        listed = set(manifest["files"]) | {_store.MANIFEST}
+        present = {
+            str((Path(folder) / name).relative_to(path))
+            for folder, _, names in os.walk(path)
+            for name in names
+        }
+        if present != listed:
+            raise AssertionError(f"tag {entry!r}: files {present ^ listed} not as listed")
+        tags.append(entry)
+    return tags

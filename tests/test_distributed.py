@@ -1,0 +1,140 @@
+"""CheckpointEngine(distributed=True) on real ranks: spawned processes on gloo.
+
+To bound the time, the 2-rank cases share one start-up of the ranks (a module fixture);
+a test that kills a trainer and the 4-rank test start their own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ._ranks import complete_tags, run_ranks
+
+SCENARIOS: list[list[Any]] = [
+    ["basics", {}],
+    ["writer_killed", {"victim": 1}],
+    ["disk_full", {"victim": 1}],
+    ["late_start", {}],
+    ["random_kills", {"rounds": 10}],
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("two-ranks")
+    outcomes = run_ranks(
+        2, "tests._rank_scenarios:session", directory, timeout=400, scenarios=SCENARIOS
+    )
+    sessions = [outcome.check() for outcome in outcomes]
+    print({name: round(sessions[0][name]["seconds"], 1) for name, _ in SCENARIOS})
+    return directory, sessions
+
+
+def scenario(two_ranks: tuple[Path, list[dict[str, Any]]], name: str) -> tuple[Path, list[Any]]:
+    directory, sessions = two_ranks
+    results = [session[name] for session in sessions]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    return directory / name, results
+
+
+def test_every_rank_commits_one_manifest_and_agrees(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "basics")
+    offloaded = [f"offloaded_tensors/rank{rank}/state.bin" for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert result["files"] == [*offloaded, "shard-0.pt", "shard-1.pt"]  # NVMe files too
+        assert result["tags"] == ["step-1", "step-2"]
+        assert result["latest"] == "step-2"
+        assert result["loaded"] == 20.0 + rank
+        assert result["after"] == "step-4"
+        assert result["final_tags"] == ["step-1", "step-2", "step-4"]
+    assert results[0]["bytes"] == results[1]["bytes"] > 4 << 20
+    assert complete_tags(directory) == ["step-1", "step-2", "step-4"]
+    assert (directory / "latest").read_text().strip() == "step-4"
+    assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+def test_a_file_name_clash_fails_on_every_rank(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "basics")
+    for result in results:
+        kind, message = result["clash"]
+        assert kind == "CheckpointError"
+        assert "'same.pt' was saved by rank 0 and by rank 1" in message
+    assert not (directory / "clash").exists()
+
+
+def test_a_killed_writer_fails_the_commit_on_every_rank_and_names_it(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "writer_killed")
+    healthy, victim = results[0]["failed"], results[1]["failed"]
+    assert victim[0] == "WorkerDiedError"
+    assert healthy[0] == "CheckpointError"
+    assert "failed on rank 1: its writer died" in healthy[1]
+    assert "'latest' still names 'step-1'" in healthy[1]
+    assert healthy[2] < 30.0  # seen when it happened, not after commit_timeout (300 s)
+    for result in results:
+        assert result["listing"] == [".aoffload.lock", "latest", "step-1"]  # nothing partial
+        assert result["tags"] == ["step-1", "step-3"]
+    assert complete_tags(directory) == ["step-1", "step-3"]
+
+
+def test_a_failed_write_on_one_rank_fails_every_rank_and_all_stay_usable(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "disk_full")
+    victim, healthy = results[1]["failed"], results[0]["failed"]
+    assert victim[0] == "CheckpointError"
+    assert "File too large" in victim[1]
+    assert healthy[0] == "CheckpointError"
+    assert "failed on rank 1: a write failed" in healthy[1]
+    for result in results:
+        assert result["tags"] == ["step-1", "step-3"]
+        assert result["files"] == ["shard-0.pt", "shard-1.pt"]
+    assert complete_tags(directory) == ["step-1", "step-3"]
+    assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+def test_a_late_start_wipes_nothing_live_and_dead_leftovers_go(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "late_start")
+    for result in results:
+        assert result["dead_run_gone"]
+        assert result["files"] == ["shard-0.pt", "shard-1.pt"]
+        assert result["other"] == ["b-0.pt", "b-1.pt"]
+    assert complete_tags(directory) == ["step-1", "step-2"]
+
+
+def test_random_writer_kills_never_publish_a_partial_tag(two_ranks: Any) -> None:
+    """Every round, each rank SIGKILLs its own writer at a random point (20 kills)."""
+    directory, results = scenario(two_ranks, "random_kills")
+    for rank, result in enumerate(results):
+        assert len(result["kinds"]) == 10
+        assert set(result["kinds"]) <= {"WorkerDiedError", "CheckpointError"}, rank
+    tags = complete_tags(directory)  # raises on any partial tag
+    assert tags
+    assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+def test_a_dead_trainer_rank_is_named_after_commit_timeout(tmp_path: Path) -> None:
+    outcomes = run_ranks(2, "tests._rank_scenarios:trainer_killed", tmp_path, victim=1)
+    assert outcomes[1].exitcode == -9
+    result = outcomes[0].check()
+    kind, message, seconds = result["failed"]
+    assert kind == "CheckpointError"
+    assert "rank(s) [1] did not report within commit_timeout=8.0 s" in message
+    assert seconds >= 8.0
+    assert result["close_seconds"] < 30.0  # aclose() does not wait for the dead rank
+    assert complete_tags(tmp_path) == ["step-1"]
+
+
+def test_four_ranks_with_one_writer_per_replica_pair(tmp_path: Path) -> None:
+    """Ranks 0 and 1 write; ranks 2 and 3 are their replicas (writer=False)."""
+    outcomes = run_ranks(4, "tests._rank_scenarios:basics", tmp_path, writers=2, timeout=200)
+    for rank, outcome in enumerate(outcomes):
+        result = outcome.check()
+        offloaded = [f"offloaded_tensors/rank{r}/state.bin" for r in range(4)]
+        assert result["files"] == [*offloaded, "shard-0.pt", "shard-1.pt"], rank
+        assert result["tags"] == ["step-1", "step-2"]
+        assert result["latest"] == "step-2"
+        assert result["final_tags"] == ["step-1", "step-2", "step-4"]
+    assert complete_tags(tmp_path) == ["step-1", "step-2", "step-4"]
