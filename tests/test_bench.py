@@ -67,7 +67,8 @@ def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
         assert figure["n"] == len(values) >= 1
         assert all(math.isfinite(v) for v in values), figure
         if figure["section"] in ("bridge", "optimizer", "overlap", "loop lag"):
-            assert figure["n"] >= 3, f"too few samples: {figure}"
+            # n >= 3, except a figure that can only be taken once and says so
+            assert figure["n"] >= 3 or figure["single_sample"], f"too few samples: {figure}"
         if figure["n"] < 3:  # never presented as a median
             assert figure["median"] is None, figure
             assert figure["label"], figure

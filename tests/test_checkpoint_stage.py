@@ -118,7 +118,7 @@ async def test_a_tensor_mutated_during_its_copy_fails_the_staging_naming_its_key
         # The engine stays usable, and the tags can be staged again.
         await engine.save(state, "model.pt", tag="torn")
         await engine.commit("torn")
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "torn"]
+    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "good", "latest", "torn"]
     assert not never_retrieved(caplog)
 
 
@@ -146,8 +146,9 @@ async def test_a_failed_background_commit_is_raised_by_the_next_call(
 ) -> None:
     async with aoffload.CheckpointEngine(tmp_path, max_pending=1) as engine:
         await engine.save(filled(1.0), "m.pt", tag="bad")
-        (tmp_path / "bad").mkdir()
-        (tmp_path / "bad" / "blocker").write_text("the tag cannot be renamed onto this")
+        # A file where the tag's directory goes: publishing cannot rename the tag onto it.
+        # (A directory there would be adopted: DeepSpeed puts NVMe files in <tag>/ itself.)
+        (tmp_path / "bad").write_text("the tag cannot be renamed onto this")
         engine.commit_soon("bad")
         await engine.save(filled(2.0), "m.pt", tag="next")  # waits for room, does not raise
         with pytest.raises(aoffload.CheckpointError, match="could not publish checkpoint 'bad'"):
@@ -164,8 +165,7 @@ async def test_a_failed_background_commit_is_raised_by_aclose(
     engine = aoffload.CheckpointEngine(tmp_path)
     await engine.start()
     await engine.save(filled(1.0), "m.pt", tag="bad")
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "blocker").write_text("")
+    (tmp_path / "bad").write_text("")  # a file where the tag's directory goes
     engine.commit_soon("bad")
     with pytest.raises(aoffload.CheckpointError, match="could not publish"):
         await engine.aclose()
