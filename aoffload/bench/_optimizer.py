@@ -105,7 +105,7 @@ async def _aoffload(
     groups: list[tuple[torch.Tensor, torch.Tensor]],
     backend: str,
     reps: int,
-    worker_cores: float | None = 0.8,
+    worker_cores: float | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     import aoffload
 
@@ -207,10 +207,11 @@ def _shape(report: Report, count: int, numel: int, reps: int, *, quick: bool) ->
             SECTION, "DeepSpeed SuperOffloadCPUOptimizer", f"{type(exc).__name__}: {exc}"[:300]
         )
 
+    # The default configuration first (worker_cores=None), then the explicit CPU split.
     variants: tuple[tuple[str, float | None], ...] = (
+        ("deepspeed", None),
         ("deepspeed", 0.8),
         ("torch", 0.8),
-        ("deepspeed", None),
     )
     for backend, cores in variants:
         system = f"aoffload CPUAdam ({backend}, worker_cores={cores!r})"
