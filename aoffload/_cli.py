@@ -42,6 +42,11 @@ exit codes:
 """
 
 
+def _say(stream: TextIO, line: str) -> None:
+    """One line of the command's output (the command's interface, not a diagnostic)."""
+    stream.write(line + "\n")
+
+
 def _size(nbytes: float) -> str:
     units = ("B", "KiB", "MiB", "GiB", "TiB")
     index = 0
@@ -71,25 +76,25 @@ async def _ls(args: argparse.Namespace, out: TextIO) -> int:
     directory = Path(args.directory)
     infos, latest = await _inspect.list_tags(directory)
     if not infos:
-        print(f"{directory}: no committed checkpoints", file=out)
+        _say(out, f"{directory}: no committed checkpoints")
     else:
         width = max(len(info.tag) for info in infos) + 2
-        print(f"{'TAG':<{width}}  {'FILES':>5}  {'BYTES':>10}  AGE", file=out)
+        _say(out, f"{'TAG':<{width}}  {'FILES':>5}  {'BYTES':>10}  AGE")
         for info in infos:
             mark = " *" if info.tag == latest else ""
             if info.error is not None:
-                print(f"{info.tag + mark:<{width}}  {info.error}", file=out)
+                _say(out, f"{info.tag + mark:<{width}}  {info.error}")
                 continue
             row = f"{len(info.files):>5}  {_size(info.bytes):>10}  {_age(info.age)}"
-            print(f"{info.tag + mark:<{width}}  {row}", file=out)
-        print(f"* latest: {latest}", file=out)
+            _say(out, f"{info.tag + mark:<{width}}  {row}")
+        _say(out, f"* latest: {latest}")
     stale = await asyncio.to_thread(_inspect.leftovers, directory)
     if stale:
         total = sum(size for _, size in stale)
-        print(
+        _say(
+            out,
             f"{_count(len(stale), 'leftover')} of interrupted runs ({_size(total)}); "
             f"`aoffload clean {directory}` removes them",
-            file=out,
         )
     return EXIT_OK
 
@@ -119,11 +124,11 @@ async def _verify(args: argparse.Namespace, out: TextIO) -> int:
         mine = [check for check in checks if check.tag == info.tag]
         bad = [check for check in mine if check.error is not None]
         verdict = f"{len(bad)} FAILED" if bad else "ok"
-        print(f"{info.tag}: {len(mine)} files, {_size(info.bytes)}: {verdict}", file=out)
+        _say(out, f"{info.tag}: {len(mine)} files, {_size(info.bytes)}: {verdict}")
         for check in bad:
-            print(f"  FAILED {check.tag}/{check.name}: {check.error}", file=out)
+            _say(out, f"  FAILED {check.tag}/{check.name}: {check.error}")
     if failed:
-        print(f"{len(failed)} of {len(checks)} files failed verification", file=out)
+        _say(out, f"{len(failed)} of {len(checks)} files failed verification")
         return EXIT_DAMAGED
     return EXIT_OK
 
@@ -132,25 +137,22 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
     directory = Path(args.directory)
     [info] = await _inspect.resolve_tags(directory, args.tag, False)
     status = EXIT_OK
-    print(f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}", file=out)
+    _say(out, f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}")
     for summary in await _inspect.inspect_tag(directory, info):
         size = _size(int(info.files[summary.name]["bytes"]))
-        print(f"{info.tag}/{summary.name} ({size} on disk)", file=out)
+        _say(out, f"{info.tag}/{summary.name} ({size} on disk)")
         if summary.error is not None:
-            print(f"  ERROR {summary.error}", file=out)
+            _say(out, f"  ERROR {summary.error}")
             status = EXIT_DAMAGED
             continue
         dtypes = ", ".join(f"{dtype} x{n}" for dtype, n in sorted(summary.dtypes.items()))
-        print(
-            f"  tensors: {summary.tensors}, {_size(summary.tensor_bytes)}"
-            + (f" ({dtypes})" if dtypes else ""),
-            file=out,
-        )
+        suffix = f" ({dtypes})" if dtypes else ""
+        _say(out, f"  tensors: {summary.tensors}, {_size(summary.tensor_bytes)}{suffix}")
         if summary.keys:
             keys = ", ".join(f"{key} ({kind})" for key, kind in summary.keys.items())
-            print(f"  keys: {keys}", file=out)
+            _say(out, f"  keys: {keys}")
         else:
-            print(f"  top level: {summary.top}", file=out)
+            _say(out, f"  top level: {summary.top}")
     return status
 
 
@@ -158,17 +160,17 @@ async def _clean(args: argparse.Namespace, out: TextIO) -> int:
     directory = Path(args.directory)
     removed = await asyncio.to_thread(_inspect.clean, directory, dry_run=args.dry_run)
     if removed is None:
-        print(
+        _say(
+            sys.stderr,
             f"aoffload: {directory} is in use by a live checkpoint engine (it holds "
             f"{directory}/.aoffload.lock); nothing was removed. Stop the run first.",
-            file=sys.stderr,
         )
         return EXIT_BUSY
     verb = "would remove" if args.dry_run else "removed"
     for path, size in removed:
-        print(f"{verb} {path} ({_size(size)})", file=out)
+        _say(out, f"{verb} {path} ({_size(size)})")
     total = sum(size for _, size in removed)
-    print(f"{verb} {_count(len(removed), 'leftover')}, {_size(total)}", file=out)
+    _say(out, f"{verb} {_count(len(removed), 'leftover')}, {_size(total)}")
     return EXIT_OK
 
 
@@ -224,7 +226,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         status: int = asyncio.run(args.run(args, out or sys.stdout))
     except CheckpointError as exc:
-        print(f"aoffload: {exc}", file=sys.stderr)
+        _say(sys.stderr, f"aoffload: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
