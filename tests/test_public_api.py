@@ -77,3 +77,19 @@ def test_the_pytest_plugin_and_the_console_script_are_declared_and_importable() 
     script = project["project"]["scripts"]["aoffload"]
     module_name, function = script.split(":")
     assert callable(getattr(importlib.import_module(module_name), function))
+
+
+def test_run_without_uvloop_chains_no_import_error_to_the_users_exceptions() -> None:
+    code = (
+        "import sys; sys.modules['uvloop'] = None\n"  # as if uvloop were not installed
+        "import asyncio, aoffload\n"
+        "async def main():\n"
+        "    assert type(asyncio.get_running_loop()).__module__.startswith('asyncio')\n"
+        "    raise RuntimeError('the user error')\n"
+        "try:\n"
+        "    aoffload.run(main())\n"
+        "except RuntimeError as exc:\n"
+        "    print(repr(exc.__context__), repr(exc.__cause__))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None None"
