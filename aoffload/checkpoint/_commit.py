@@ -78,6 +78,29 @@ class Writes(Protocol):
 _W = TypeVar("_W", bound=Writes)
 
 
+def committed(
+    directory: Path,
+    open_tag: Writes,
+    records: Mapping[str, FileRecord],
+    started: float,
+    sizes: Mapping[str, int],
+) -> CommitResult:
+    """The :class:`CommitResult` of ``open_tag``, published with the files in ``sizes``.
+
+    ``records`` are this process's own writes (their time is ``write_seconds``);
+    ``sizes`` lists every published file, other ranks' included.
+    """
+    return CommitResult(
+        tag=open_tag.tag,
+        path=directory / open_tag.tag,
+        files=tuple(sizes),
+        bytes=sum(sizes.values()),
+        stage_seconds=open_tag.stage_seconds,
+        write_seconds=sum(record.seconds for record in records.values()),
+        commit_seconds=time.perf_counter() - started,
+    )
+
+
 async def write_out(
     bridge: Bridge | None, open_tag: Writes, latest: str | None
 ) -> dict[str, FileRecord]:
@@ -122,15 +145,8 @@ async def commit_one(
         entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
 
         def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
-            return CommitResult(
-                tag=tag,
-                path=catalog.directory / tag,
-                files=tuple(files),
-                bytes=sum(entry.bytes for entry in files.values()),
-                stage_seconds=open_tag.stage_seconds,
-                write_seconds=sum(record.seconds for record in records.values()),
-                commit_seconds=time.perf_counter() - started,
-            )
+            sizes = {name: entry.bytes for name, entry in files.items()}
+            return committed(catalog.directory, open_tag, records, started, sizes)
 
         done = await catalog.publish(run_io, open_tag.tmpdir, tag, entries, result, latest=latest)
         published = True

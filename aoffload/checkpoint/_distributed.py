@@ -46,7 +46,6 @@ import json
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -59,7 +58,7 @@ from .._errors import CheckpointError, WorkerDiedError
 from .._runtime.bridge import Bridge
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from . import _lock, _store
-from ._commit import Catalog, CommitResult, RunIO, Writes, write_out
+from ._commit import Catalog, CommitResult, RunIO, Writes, committed, write_out
 from ._keys import Keys as _Keys
 from ._keys import first_line as _first_line
 from ._keys import merge_reports
@@ -304,15 +303,8 @@ class Ranks:
 
             def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
                 published.update(files)
-                return CommitResult(
-                    tag=tag,
-                    path=catalog.directory / tag,
-                    files=tuple(files),
-                    bytes=sum(entry.bytes for entry in files.values()),
-                    stage_seconds=open_tag.stage_seconds,
-                    write_seconds=sum(record.seconds for record in records.values()),
-                    commit_seconds=time.perf_counter() - started,
-                )
+                sizes = {name: entry.bytes for name, entry in files.items()}
+                return committed(catalog.directory, open_tag, records, started, sizes)
 
             await run_io(lambda: _store.gather(open_tag.tmpdir, sources, durable=self._durable))
             done = await catalog.publish(
@@ -365,15 +357,7 @@ class Ranks:
                 f"checkpoint {tag!r}: rank 0 could not publish it: {answer['error']}; "
                 f"{_store.LATEST!r} still names {catalog.latest!r}"
             )
-        done = CommitResult(
-            tag=tag,
-            path=catalog.directory / tag,
-            files=tuple(answer["files"]),
-            bytes=sum(answer["files"].values()),
-            stage_seconds=open_tag.stage_seconds,
-            write_seconds=sum(record.seconds for record in records.values()),
-            commit_seconds=time.perf_counter() - started,
-        )
+        done = committed(catalog.directory, open_tag, records, started, answer["files"])
         catalog.record(tag, int(answer["sequence"]), done, latest=latest)
         catalog.forget_old()
         await self._on(self._control, self._store.set, keys.ack(self.rank), "1")
