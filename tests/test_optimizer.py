@@ -371,3 +371,14 @@ async def test_torch_backend_without_bias_correction() -> None:
     # Uncorrected first step: lr * (1 - b1) / sqrt(1 - b2); corrected: lr.
     assert 1.0 - params[0][0].item() == pytest.approx(0.01 * 0.1 / 0.001**0.5, rel=1e-4)
     assert 1.0 - params[1][0].item() == pytest.approx(0.01, rel=1e-4)
+
+
+async def test_a_failed_start_raises_its_own_error_and_leaves_nothing() -> None:
+    before = Snapshot.take()
+    opt = CPUAdam([{"lr": 1e-3}], start_timeout=0.01)  # no worker imports torch that fast
+    with pytest.raises(aoffload.WorkerStartupError, match="did not become ready"):
+        await opt.start()
+    with pytest.raises(aoffload.ClosedError):
+        opt.submit(0, 0, torch.zeros(4), torch.zeros(4))
+    await opt.aclose()
+    assert set(child_pids()) <= before.children

@@ -100,6 +100,11 @@ class Bridge(AsyncResource):
         return self._death is not None
 
     @property
+    def death(self) -> WorkerDiedError | None:
+        """How the worker died while it was serving, or ``None``."""
+        return self._death
+
+    @property
     def outstanding(self) -> int:
         """Requests sent whose reply has not arrived yet (abandoned waits included)."""
         return len(self._pending)
@@ -131,6 +136,7 @@ class Bridge(AsyncResource):
             async with asyncio.timeout(self._start_timeout):
                 await asyncio.shield(self._ready)
         except TimeoutError:
+            self._ready.cancel()  # the close kills the worker: its exit is no news
             raise WorkerStartupError(
                 f"the {self.name} worker did not become ready within {self._start_timeout} s; "
                 "raise start_timeout if the machine is slow, or check its log output"

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from types import TracebackType
 from typing import TypeVar
 
 from .._errors import ClosedError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncResource", "State"]
 
@@ -69,8 +72,12 @@ class AsyncResource:
         self._state = State.STARTING
         try:
             await self._open()
-        except BaseException:
-            await self._run_close()
+        except BaseException as exc:
+            try:
+                await self._run_close()
+            except Exception as cleanup:  # the start's own error is the one to raise
+                logger.exception("%s: cleaning up after a failed start also failed", self._what)
+                exc.add_note(f"cleaning up after it also failed: {cleanup!r} (logged)")
             raise
         if self._state is State.STARTING:
             self._state = State.RUNNING

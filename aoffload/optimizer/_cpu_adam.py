@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ClosedError, OptimizerError, WorkerDiedError
+from .._errors import ClosedError, OptimizerError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor
@@ -177,10 +177,8 @@ class CPUAdam(AsyncResource):
         self._outcomes.closed = True
         try:
             if self._bridge is not None:
-                try:
-                    self._bridge.check_running()
-                except WorkerDiedError as death:
-                    self._outcomes.death = death  # for a follower that waits with nothing in flight
+                # for a follower that waits with nothing in flight
+                self._outcomes.death = self._bridge.death
                 await self._bridge.aclose()
         finally:
             self._affinity.restore()
