@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import aoffload
+from aoffload._runtime.threads import BACKGROUND_NICENESS
 
 
 def _threads_in_a_new_thread() -> int:
@@ -40,3 +43,29 @@ async def test_checkpoints_and_the_default_optimizer_leave_threads_and_affinity_
         assert await asyncio.to_thread(_threads_in_a_new_thread) == fresh
     assert torch.get_num_threads() == threads
     assert os.sched_getaffinity(0) == affinity
+
+
+def _priority(thread_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+async def test_background_work_runs_at_a_lower_priority_and_the_trainer_at_its_own(
+    tmp_path: Path,
+) -> None:
+    mine = _priority(threading.get_native_id())
+    async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
+        await engine.save({"w": torch.randn(1 << 16)}, "model.pt", tag="t")
+        await engine.commit("t")
+        copiers = [t for t in threading.enumerate() if t.name.startswith("aoffload-stage-")]
+        assert copiers
+        for thread in copiers:
+            assert thread.native_id is not None
+            assert _priority(thread.native_id) == max(mine, BACKGROUND_NICENESS)
+        assert engine.pid is not None
+        # The writer's serving thread (its main thread) and its I/O thread.
+        writer = [_priority(int(t)) for t in os.listdir(f"/proc/{engine.pid}/task")]
+        assert _priority(engine.pid) == max(mine, BACKGROUND_NICENESS)
+        assert writer.count(max(mine, BACKGROUND_NICENESS)) >= 2
+        assert _priority(threading.get_native_id()) == mine
+        assert await asyncio.to_thread(lambda: _priority(threading.get_native_id())) == mine

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -26,11 +28,37 @@ from typing import Any, TypeVar
 from .._errors import ClosedError
 from .loops import new_event_loop
 
-__all__ = ["DaemonThreadExecutor", "Portal", "mark_retrieved"]
+__all__ = [
+    "BACKGROUND_NICENESS",
+    "DaemonThreadExecutor",
+    "Portal",
+    "lower_priority",
+    "mark_retrieved",
+]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+BACKGROUND_NICENESS = 10
+"""The nice value of the library's background threads (staging copies, the writer)."""
+
+
+def lower_priority(niceness: int = BACKGROUND_NICENESS) -> None:
+    """Give the calling thread (and threads it starts later) a lower CPU priority.
+
+    Background work (the staging copy, the checkpoint writer) then yields the cores to the
+    trainer's threads, the event loop first, whenever they want to run, and still takes
+    every idle cycle. Linux keeps a nice value per thread, so nothing else in the process
+    changes; elsewhere this does nothing. The priority is only ever lowered, which needs
+    no privilege.
+    """
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    if os.getpriority(os.PRIO_PROCESS, thread) < niceness:
+        os.setpriority(os.PRIO_PROCESS, thread, niceness)
 
 
 def mark_retrieved(future: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
@@ -48,10 +76,12 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
 
     Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the
     interpreter joins at exit, a thread blocked in ``recv()`` here can never hang
-    interpreter shutdown, even if a user forgot ``aclose()``.
+    interpreter shutdown, even if a user forgot ``aclose()``. ``background=True`` runs
+    the thread at :func:`lower_priority`.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, background: bool = False) -> None:
+        self._background = background
         self._work: queue.SimpleQueue[
             tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
         ] = queue.SimpleQueue()
@@ -78,6 +108,8 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
             self._thread.join()
 
     def _run(self) -> None:
+        if self._background:
+            lower_priority()
         while (item := self._work.get()) is not None:
             future, call = item
             if not future.set_running_or_notify_cancel():

@@ -11,6 +11,8 @@ waits for the CUDA copies (blocking on their events, without the GIL), compares 
 tensor's version counter with the one planned, and resolves the job's future.
 
 Nothing here changes torch's thread count, which would change it for the trainer too.
+The pool's threads run at :func:`~.._runtime.threads.lower_priority`: on a machine whose
+cores are all busy copying, the event loop and the training step still run at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError, ClosedError
+from .._runtime.threads import lower_priority
 from ._plan import Plan, key_of, version_of
 from ._staging import Region
 
@@ -207,5 +210,6 @@ class CopyPool:
             thread.join()
 
     def _run(self) -> None:
+        lower_priority()  # the copy takes idle cycles; the loop and the step come first
         while (work := self._work.get()) is not None:
             work()

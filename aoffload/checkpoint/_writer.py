@@ -30,7 +30,7 @@ import xxhash
 
 from .._runtime.protocol import Call
 from .._runtime.serve import Handler, Service, target
-from .._runtime.threads import DaemonThreadExecutor
+from .._runtime.threads import DaemonThreadExecutor, lower_priority
 
 __all__ = [
     "TARGET",
@@ -219,7 +219,8 @@ class WriterService(Service):
         self._config = config
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
-        self._io_thread = DaemonThreadExecutor("aoffload-writer-io")
+        lower_priority()  # persisting is background work: the trainer's cores come first
+        self._io_thread = DaemonThreadExecutor("aoffload-writer-io", background=True)
         torch.serialization.set_crc32_options(False)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
