@@ -6,11 +6,12 @@ right after ``start()``, so the worker's death shows up as EOF at once. It owns 
 threads:
 
 * the *reader* (one :class:`DaemonThreadExecutor` per worker) spawns the process, then
-  reads replies with blocking ``Connection.recv_bytes()`` calls wrapped in
-  ``loop.run_in_executor``. Each read takes every reply already waiting (a batch) and
-  unpickles it on that thread, so one wake-up of the loop serves a burst and a large
-  reply never stalls the loop. At EOF the same thread reaps the process. This needs
-  nothing of the loop but ``run_in_executor``: it runs on asyncio's selector and
+  runs one ``loop.run_in_executor`` call for the worker's life: blocking
+  ``Connection.recv_bytes()`` reads, each taking every reply already waiting (a batch)
+  and unpickling it on that thread, handed to the loop with ``call_soon_threadsafe``.
+  One wake-up of the loop serves a burst, and a large reply never stalls the loop. At
+  EOF the same thread reaps the process. This needs nothing of the loop but
+  ``run_in_executor`` and ``call_soon_threadsafe``: it runs on asyncio's selector and
   proactor loops and on uvloop alike;
 * the *sender*, started on first need: requests are pickled and written on the loop
   while they are small, but one that pickles to more than 64 KiB is written there, and
@@ -134,26 +135,31 @@ class WorkerProcess:
     # -- reading -------------------------------------------------------------------------
 
     def read(self, on_batch: Callable[[Batch], None]) -> None:
-        """Deliver every batch of replies to ``on_batch`` on the loop, until EOF, then reap."""
+        """Deliver every batch of replies to ``on_batch`` on the loop, until EOF, then reap.
+
+        One ``run_in_executor`` call on the reader thread blocks in the pipe's reads for
+        the worker's whole life and hands each batch to the loop with
+        ``call_soon_threadsafe``: a reply costs the loop one wake-up, not an executor
+        round trip per read. Batches arrive in order, and the reap comes after the last.
+        """
         loop, reader, replies = self._loop, self._reader, self._replies
         if loop is None or reader is None or replies is None:
             raise ClosedError(f"the {self.name} worker was never spawned")
 
-        def delivered(future: asyncio.Future[Batch | None]) -> None:
+        def pump() -> None:
+            while (batch := _read_batch(replies)) is not None:
+                try:
+                    loop.call_soon_threadsafe(on_batch, batch)
+                except RuntimeError:  # the loop was closed without aclose(): nobody listens
+                    return
+
+        def finished(future: asyncio.Future[None]) -> None:
             error = None if future.cancelled() else future.exception()
             if error is not None:
                 logger.error("reading from the %s worker failed", self.name, exc_info=error)
-            batch = None if future.cancelled() or error is not None else future.result()
-            if batch is None:
-                self._reap()
-                return
-            read_next()  # the next read blocks on the thread while this batch is handled
-            on_batch(batch)
+            self._reap()
 
-        def read_next() -> None:
-            loop.run_in_executor(reader, _read_batch, replies).add_done_callback(delivered)
-
-        read_next()
+        loop.run_in_executor(reader, pump).add_done_callback(finished)
 
     def _reap(self) -> None:
         # The worker's end of the pipe is closed: it exited (or is exiting). Reaping it
