@@ -1,17 +1,12 @@
 """One checkpoint across every rank of a ``torch.distributed`` job (``distributed=True``).
 
-Coordination uses torch.distributed alone, and never runs on the event loop: every
-blocking call goes to one of two threads of this module, each with its own connection
-to the store (a ``TCPStore`` client serialises its calls, so a blocked wait would hold
-up everything else on its connection):
+The ranks meet through :class:`~._rendezvous.Rendezvous` (:mod:`._rendezvous`): the engine's
+own gloo group, a ``TCPStore`` rank 0 serves, and two threads, so that no coordination ever
+runs on the event loop. This module is the protocol on top of it:
 
-- **start** (a collective). Every rank creates the engine's own gloo group
-  (``new_group(backend="gloo")``, whatever backend the trainer uses). Rank 0 takes the
-  directory lock (:mod:`._lock`) and scans the directory, removing leftovers of dead
-  runs only when no other live engine holds the lock, then starts a ``TCPStore`` on a
-  free port. One ``broadcast_object_list`` on the gloo group hands every rank the
-  store's address, a run id and the scan, so every rank starts with the same catalog.
-  The other ranks connect, then hold the lock shared: they never clean.
+- **start** (a collective, :meth:`Ranks.start`). Rank 0 takes the directory lock, scans
+  the directory and starts the store; one broadcast on the gloo group hands every rank
+  the store's address, a run id and the scan, so every rank starts with the same catalog.
 - **commit n** (every rank, same tags, same order) uses keys ``aoffload/<run>/<n>/...``.
   Each rank writes its own files into its own ``.tmp-<tag>-<id>/``. Once they are
   durable it sets ``report/<rank>`` (names, sizes, xxh3-64) and adds one to ``count``;
@@ -41,14 +36,9 @@ only after renaming out the files the peer reported durable.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import logging
-import os
-import socket
-import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,12 +46,13 @@ import torch.distributed as dist
 
 from .._errors import CheckpointError, WorkerDiedError
 from .._runtime.bridge import Bridge
-from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
-from . import _lock, _store
+from .._runtime.threads import mark_retrieved
+from . import _store
 from ._commit import Catalog, CommitResult, RunIO, Writes, committed, write_out
 from ._keys import Keys as _Keys
 from ._keys import first_line as _first_line
 from ._keys import merge_reports
+from ._rendezvous import Rendezvous
 from ._writer import FileRecord
 
 __all__ = ["Ranks"]
@@ -69,8 +60,6 @@ __all__ = ["Ranks"]
 logger = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound=Writes)
-_T = TypeVar("_T")
-_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 _WRITTEN = "written"
 _ACK_SECONDS = 10.0
 """How long rank 0's ``aclose()`` keeps the store up for the others to read the last result."""
@@ -80,87 +69,22 @@ class Ranks:
     """This rank's part in the commits of a distributed :class:`CheckpointEngine`."""
 
     def __init__(self, directory: Path, *, writer: bool, durable: bool, timeout: float) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CheckpointError(
-                "CheckpointEngine(distributed=True) needs torch.distributed: call "
-                "torch.distributed.init_process_group(...) on every rank before creating it"
-            )
-        if not timeout > 0:
-            raise ValueError(f"commit_timeout must be > 0 seconds, not {timeout!r}")
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self._meet = Rendezvous(directory, writer=writer, timeout=timeout)
+        self.rank = self._meet.rank
+        self.world = self._meet.world
         self._directory = directory
-        self._writer = writer
         self._durable = durable
         self._timeout = timeout
-        self._control: DaemonThreadExecutor | None = None
-        self._waiter: DaemonThreadExecutor | None = None
-        self._store: Any = None  # this rank's connection for quick calls (rank 0: the server)
-        self._waiting: Any = None  # the connection its waiter thread blocks on
-        self._group: Any = None
-        self._lock: _lock.DirectoryLock | None = None
-        self._run = ""
         self._next = 0
         self._in_flight: int | None = None
         self._last_ok: int | None = None
         self._settling: set[asyncio.Task[None]] = set()
 
-    # -- threads ------------------------------------------------------------------------
-
-    async def _on(self, executor: Executor | None, fn: Callable[..., _T], *args: Any) -> _T:
-        if executor is None:
-            raise CheckpointError("the distributed engine was never started")
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-
-    # -- start --------------------------------------------------------------------------
-
     async def start(self) -> _store.Scan:
         """Join the other ranks (a collective); return rank 0's scan of the directory."""
-        self._control = DaemonThreadExecutor("aoffload-ranks-control")
-        self._waiter = DaemonThreadExecutor("aoffload-ranks-waiter")
-        return await self._on(self._control, self._join)
-
-    def _connect(self, host: str, port: int) -> Any:
-        timeout = datetime.timedelta(seconds=self._timeout)
-        return _TCPStore(host, port, None, False, timeout=timeout)
-
-    def _join(self) -> _store.Scan:
-        self._group = dist.new_group(backend="gloo")
-        link: list[Any] = [None, None]
-        if self.rank == 0:
-            # Rank 0 publishes, even as a replica. It cleans only when it is alone.
-            self._directory.mkdir(parents=True, exist_ok=True)
-            self._lock, scan = _lock.hold_shared(
-                self._directory, lambda sole: _store.scan(self._directory, clean=sole)
-            )
-            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            timeout = datetime.timedelta(seconds=self._timeout)
-            self._store = _TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
-            link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
-        dist.broadcast_object_list(link, src=0, group=self._group)
-        (host, port, self._run), scan = link
-        if self.rank != 0:
-            self._store = self._connect(host, port)
-            if self._writer:
-                self._lock, _ = _lock.hold_shared(self._directory, lambda sole: None)
-        self._waiting = self._connect(host, port)
-        logger.debug(
-            "rank %d joined checkpoint run %s (store %s:%d)", self.rank, self._run, host, port
-        )
-        if not isinstance(scan, _store.Scan):
-            raise CheckpointError(f"rank 0 sent {type(scan).__name__} instead of its scan")
-        return scan
+        return await self._meet.join()
 
     # -- commit -------------------------------------------------------------------------
-
-    def _get(self, key: str, timeout: float) -> str:
-        """Block (on the waiter thread) until ``key`` is set; its value."""
-        self._waiting.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
-        return bytes(self._waiting.get(key)).decode()
-
-    def _claim(self, key: str, value: str) -> str:
-        """Set ``key`` to ``value`` unless someone else set it first; what it holds now."""
-        return bytes(self._store.compare_set(key, "", value)).decode()
 
     async def commit(
         self,
@@ -175,10 +99,8 @@ class Ranks:
         """Commit ``open_tag`` with every other rank (this is their ``n``-th commit)."""
         n, self._next = self._next, self._next + 1
         self._in_flight = n
-        keys = _Keys(self._run, n)
-        outcome = asyncio.ensure_future(
-            self._on(self._waiter, self._get, keys.outcome, self._timeout)
-        )
+        keys = _Keys(self._meet.run, n)
+        outcome = asyncio.ensure_future(self._meet.wait_for(keys.outcome))
         outcome.add_done_callback(mark_retrieved)
         own = asyncio.ensure_future(write_out(bridge, open_tag, catalog.latest))
         own.add_done_callback(mark_retrieved)
@@ -231,7 +153,7 @@ class Ranks:
             what = "its writer died" if isinstance(error, WorkerDiedError) else "a write failed"
             message = json.dumps({"rank": self.rank, "error": f"{what}: {_first_line(error)}"})
             try:
-                await self._on(self._control, self._claim, keys.outcome, message)
+                await self._meet.control(self._meet.claim, keys.outcome, message)
             finally:
                 raise error
         files = {n: [r.nbytes, r.xxh3_64, r.seconds] for n, r in own.result().items()}
@@ -240,12 +162,11 @@ class Ranks:
         )
 
         def send() -> None:
-            self._store.set(keys.report(self.rank), report)
-            if int(self._store.add(keys.count, 1)) == self.world:
-                self._claim(keys.outcome, _WRITTEN)
+            if self._meet.report(keys, report):  # the last report: every rank's files are durable
+                self._meet.claim(keys.outcome, _WRITTEN)
 
         try:
-            await self._on(self._control, send)
+            await self._meet.control(send)
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {open_tag.tag!r}: lost the connection to the commit store on "
@@ -260,7 +181,7 @@ class Ranks:
         try:
             value = await outcome
         except dist.DistStoreError:
-            missing = await self._on(self._control, self._missing, keys)
+            missing = await self._meet.control(self._meet.missing, keys)
             message = json.dumps(
                 {
                     "rank": missing[0] if missing else -1,
@@ -268,7 +189,7 @@ class Ranks:
                     f"{self._timeout} s (a trainer died, is stuck, or skipped this commit)",
                 }
             )
-            value = await self._on(self._control, self._claim, keys.outcome, message)
+            value = await self._meet.control(self._meet.claim, keys.outcome, message)
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {tag!r}: lost the connection to the commit store on rank 0 "
@@ -280,9 +201,6 @@ class Ranks:
         raise CheckpointError(
             f"checkpoint {tag!r} failed on rank {failure['rank']}: {failure['error']}; {nothing}"
         )
-
-    def _missing(self, keys: _Keys) -> list[int]:
-        return [r for r in range(self.world) if not self._store.check([keys.report(r)])]
 
     async def _publish(
         self,
@@ -298,7 +216,7 @@ class Ranks:
         tag = open_tag.tag
         published: dict[str, _store.FileEntry] = {}
         try:
-            reports = await self._on(self._control, self._reports, keys)
+            reports = await self._meet.control(self._meet.reports, keys)
             entries, sources = merge_reports(tag, reports, self._directory)
 
             def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
@@ -312,27 +230,12 @@ class Ranks:
             )
         except BaseException as exc:
             failure = json.dumps({"ok": False, "error": _first_line(exc)})
-            await self._on(self._control, self._store.set, keys.result, failure)
+            await self._meet.control(self._meet.set, keys.result, failure)
             raise
         sizes = {name: entry.bytes for name, entry in published.items()}
         answer = json.dumps({"ok": True, "sequence": catalog.sequence, "files": sizes})
-        await self._on(self._control, self._announce, keys, answer)
+        await self._meet.control(self._meet.announce, keys, answer)
         return done
-
-    def _reports(self, keys: _Keys) -> list[dict[str, Any]]:
-        values = self._store.multi_get([keys.report(r) for r in range(self.world)])
-        return [json.loads(bytes(value).decode()) for value in values]
-
-    def _announce(self, keys: _Keys, answer: str) -> None:
-        self._store.set(keys.result, answer)
-        if keys.n == 0:
-            return
-        previous = _Keys(keys.run, keys.n - 1)  # every rank is past it: drop its keys
-        for key in (previous.outcome, previous.count, previous.result):
-            self._store.delete_key(key)
-        for rank in range(self.world):
-            self._store.delete_key(previous.report(rank))
-            self._store.delete_key(previous.ack(rank))
 
     async def _published(
         self,
@@ -346,7 +249,7 @@ class Ranks:
         """Ranks but 0: wait for rank 0 to publish; take note of it."""
         tag = open_tag.tag
         try:
-            answer = json.loads(await self._on(self._waiter, self._get, keys.result, self._timeout))
+            answer = json.loads(await self._meet.wait_for(keys.result))
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {tag!r}: every rank wrote its files, but rank 0 did not say "
@@ -360,7 +263,7 @@ class Ranks:
         done = committed(catalog.directory, open_tag, records, started, answer["files"])
         catalog.record(tag, int(answer["sequence"]), done, latest=latest)
         catalog.forget_old()
-        await self._on(self._control, self._store.set, keys.ack(self.rank), "1")
+        await self._meet.control(self._meet.set, keys.ack(self.rank), "1")
         return done
 
     # -- close --------------------------------------------------------------------------
@@ -369,18 +272,7 @@ class Ranks:
         """Tell the others this rank is gone, keep the store up for their last read, leave."""
         if self._settling:
             await asyncio.wait(self._settling)  # the writer is closed: its writes have ended
-        control, waiter = self._control, self._waiter
-        try:
-            if control is not None and self._store is not None:
-                await self._on(control, self._farewell, writer_died)
-        finally:
-            self._store = self._waiting = None
-            if control is not None:
-                control.shutdown(wait=False)
-            if waiter is not None:
-                waiter.shutdown(wait=False)  # it may still block on a key nobody will set
-            if self._lock is not None:
-                self._lock.release()
+        await self._meet.leave(lambda: self._farewell(writer_died))
 
     def _farewell(self, writer_died: bool) -> None:
         n = self._in_flight if self._in_flight is not None else self._next
@@ -388,20 +280,17 @@ class Ranks:
         if self.rank != 0 and settled:
             # The usual end: every commit of this rank succeeded. Rank 0 may have closed
             # its store already; leave quietly (a rank that fails says so, below).
-            self._destroy_group()
             return
         why = "its checkpoint writer died" if writer_died else "it closed its engine"
+        outcome = _Keys(self._meet.run, n).outcome
         try:
-            self._claim(_Keys(self._run, n).outcome, json.dumps({"rank": self.rank, "error": why}))
+            self._meet.claim(outcome, json.dumps({"rank": self.rank, "error": why}))
         except dist.DistError as exc:  # rank 0 closed first (the usual order) or died
             logger.debug("closing: the commit store is gone (%s)", _first_line(exc))
-            self._destroy_group()
             return
         if self.rank == 0 and self._last_ok is not None and self.world > 1:
-            last = _Keys(self._run, self._last_ok)
-            acks = [last.ack(rank) for rank in range(1, self.world)]
             try:
-                self._store.wait(acks, datetime.timedelta(seconds=_ACK_SECONDS))
+                self._meet.wait_acks(_Keys(self._meet.run, self._last_ok), _ACK_SECONDS)
             except dist.DistError as exc:
                 logger.warning(
                     "closing: not every rank acknowledged the last checkpoint within %s s "
@@ -409,9 +298,3 @@ class Ranks:
                     _ACK_SECONDS,
                     _first_line(exc),
                 )
-        self._destroy_group()
-
-    def _destroy_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)

@@ -14,25 +14,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from .._errors import AoffloadError, ClosedError, InvalidStateError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
-from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
+from .._runtime.threads import DaemonThreadExecutor
 from . import _lock, _store
-from ._commit import Catalog, CommitResult, commit_one
+from ._commit import Catalog, CommitResult
+from ._committer import Committer
 from ._distributed import Ranks
-from ._stager import OpenTag as _OpenTag
 from ._stager import Staged, Stager
 from ._writer import TARGET, WriterConfig
 
 __all__ = ["CheckpointEngine", "CommitResult", "Staged"]
 
 logger = logging.getLogger(__name__)
+
+
+def _scan_alone(directory: Path, writer: bool) -> tuple[_lock.DirectoryLock | None, _store.Scan]:
+    """Scan ``directory`` at the start of a single-process engine (blocks: the I/O thread).
+
+    A writer creates the directory and takes the directory lock (see :mod:`._lock`), held
+    shared while the engine lives; leftovers of dead runs are removed only by an engine
+    alone in the directory. A replica only reads.
+    """
+    if not writer:
+        return None, _store.scan(directory, clean=False)
+    directory.mkdir(parents=True, exist_ok=True)
+    return _lock.hold_shared(directory, lambda sole: _store.scan(directory, clean=sole))
 
 
 class CheckpointEngine(AsyncResource):
@@ -93,11 +104,13 @@ class CheckpointEngine(AsyncResource):
         self._stager = Stager(self._directory, max_pending)
         self._open_tags = self._stager.open_tags
         self._catalog = Catalog(self._directory, durable=durable, keep_last=keep_last)
-        self._last_commit: asyncio.Task[CommitResult] | None = None
         self._ranks = (
             Ranks(self._directory, writer=writer, durable=durable, timeout=commit_timeout)
             if distributed
             else None
+        )
+        self._commits = Committer(
+            self._directory, self._stager, self._catalog, self._bridge, self._ranks, self._run_io
         )
 
     # -- introspection -----------------------------------------------------------------
@@ -136,17 +149,8 @@ class CheckpointEngine(AsyncResource):
         found: _store.Scan
         if self._ranks is not None:  # a collective start; rank 0 alone may clean (see _lock)
             found = await self._ranks.start()
-        elif self._writer:
-            await self._run_io(lambda: self._directory.mkdir(parents=True, exist_ok=True))
-            # The directory lock (see _lock): held shared while this engine lives; leftovers
-            # of dead runs are removed only by an engine alone in the directory.
-            self._lock, found = await self._run_io(
-                _lock.hold_shared,
-                self._directory,
-                lambda sole: _store.scan(self._directory, clean=sole),
-            )
         else:
-            found = await self._run_io(lambda: _store.scan(self._directory, clean=False))
+            self._lock, found = await self._run_io(_scan_alone, self._directory, self._writer)
         self._catalog.found(found)
         if self._bridge is not None:
             await self._run_io(self._stager.start)
@@ -227,9 +231,6 @@ class CheckpointEngine(AsyncResource):
         """
         await self.stage(state, name, tag=tag)
 
-    def _release(self, open_tag: _OpenTag) -> None:
-        self._stager.release(open_tag)
-
     # -- commit -------------------------------------------------------------------------
 
     async def commit(self, tag: str | None = None, *, latest: bool = True) -> CommitResult:
@@ -247,7 +248,8 @@ class CheckpointEngine(AsyncResource):
         (:class:`CheckpointError` naming it).
         """
         self._stager.raise_background()
-        requested = self._request_commit(tag, latest)
+        self._check_writer()
+        requested = self._commits.request(tag, latest)
         if isinstance(requested, CommitResult):
             return requested
         try:
@@ -265,51 +267,10 @@ class CheckpointEngine(AsyncResource):
         returns its result. Raises what :meth:`commit` raises before it starts.
         """
         self._stager.raise_background()
-        requested = self._request_commit(tag, True)
+        self._check_writer()
+        requested = self._commits.request(tag, True)
         if not isinstance(requested, CommitResult):
             self._stager.background(requested)
-
-    def _request_commit(
-        self, tag: str | None, latest: bool
-    ) -> CommitResult | asyncio.Task[CommitResult]:
-        self._check_writer()
-        if self._bridge is None and self._ranks is None:
-            resolved = _store.validate_tag(tag) if tag is not None else ""
-            return CommitResult(resolved, self._directory / resolved, (), 0, 0.0, 0.0, 0.0)
-        if tag is None:
-            if len(self._open_tags) != 1:
-                raise InvalidStateError(
-                    f"commit() without a tag needs exactly one open checkpoint; open: "
-                    f"{sorted(self._open_tags)}"
-                )
-            tag = next(iter(self._open_tags))
-        tag = _store.validate_tag(tag)
-        if tag in self._catalog.results:
-            return self._catalog.results[tag]
-        open_tag = self._open_tags.get(tag)
-        if open_tag is None and self._ranks is not None:  # this rank has no files in it
-            tmpdir = self._directory / f"{_store.TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
-            open_tag = self._open_tags[tag] = _OpenTag(tag, tmpdir)
-            open_tag.idle.set()
-        if open_tag is None:
-            raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
-        if open_tag.commit is None:
-            open_tag.commit = asyncio.create_task(self._commit(open_tag, self._last_commit, latest))
-            open_tag.commit.add_done_callback(mark_retrieved)
-            self._last_commit = open_tag.commit
-        return open_tag.commit
-
-    async def _commit(
-        self, open_tag: _OpenTag, previous: asyncio.Task[CommitResult] | None, latest: bool
-    ) -> CommitResult:
-        started = time.perf_counter()
-        if previous is not None and not previous.done():
-            await asyncio.wait([previous])  # publish in commit order; its errors are its own
-        await open_tag.idle.wait()
-        args = (open_tag, self._bridge, self._catalog, self._run_io, started, latest)
-        if self._ranks is not None:  # one commit across every rank
-            return await self._ranks.commit(*args, self._release)
-        return await commit_one(*args, self._release)
 
     # -- load ---------------------------------------------------------------------------
 

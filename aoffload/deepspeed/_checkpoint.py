@@ -8,11 +8,9 @@ the caller's thread. :func:`install` puts it on a ``DeepSpeedEngine``. See
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import torch
@@ -27,6 +25,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from .._errors import AoffloadError, CheckpointError, ClosedError
 from .._runtime.threads import Portal
 from ..checkpoint import CheckpointEngine, CommitResult, Staged
+from ._inflight import CommitsInFlight
 
 __all__ = ["AsyncCheckpointEngine", "install"]
 
@@ -40,6 +39,36 @@ class _Open:
     info: CheckpointCommitInfo
     files: int = 0
     staged: list[Staged] = dataclasses.field(default_factory=list)
+
+
+def _name_in(opened: _Open | None, path: str) -> str | None:
+    """``name`` when ``path`` is ``save_dir/<tag>/<name>`` of the ``opened`` checkpoint."""
+    if opened is None:
+        return None
+    info = opened.info
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(info.save_dir))
+    tag, _, name = relative.partition(os.sep)
+    return name if tag == info.tag else None
+
+
+# The coroutines the adapter's synchronous methods run on its portal.
+
+
+async def _stage(engine: CheckpointEngine, state: object, name: str, tag: str) -> Staged:
+    return engine.stage(state, name, tag=tag)
+
+
+async def _fence(staged: list[Staged]) -> None:
+    for handle in staged:
+        await handle
+
+
+async def _commit(engine: CheckpointEngine, tag: str, latest: bool) -> CommitResult:
+    # aoffload publishes tags in commit order and moves `latest` (the same plain-text file
+    # DeepSpeed reads) only once the tag is durable (on every rank, when distributed).
+    result = await engine.commit(tag, latest=latest)
+    logger.info("checkpoint %s is durable (%d bytes)", tag, result.bytes)
+    return result
 
 
 class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
@@ -98,12 +127,11 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         if distributed:
             self._options.update(distributed=True, commit_timeout=commit_timeout)
         self._distributed = distributed
-        self._commit_timeout = commit_timeout
         self._writer = writer
         self._directory: str | None = None
         self._engines: dict[str, CheckpointEngine] = {}
         self._open: _Open | None = None
-        self._commits: list[tuple[str, concurrent.futures.Future[CommitResult]]] = []
+        self._commits = CommitsInFlight(commit_timeout)
         self._closed = False
         self._portal = Portal("deepspeed-checkpoint")
         if directory is not None and (writer or distributed):  # a collective when distributed
@@ -144,58 +172,24 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             logger.debug("checkpoint writer started for %s (pid %s)", directory, engine.pid)
         return engine
 
-    def _raise_failed(self) -> None:
-        """Re-raise (once) the error of a background commit that has finished badly."""
-        for tag, future in list(self._commits):
-            if future.done() and not future.cancelled() and future.exception() is not None:
-                self._commits.remove((tag, future))
-                future.result()
-        self._commits = [(tag, future) for tag, future in self._commits if not future.done()]
-
-    def _in_open_tag(self, path: str) -> str | None:
-        """``name`` when ``path`` is ``save_dir/<tag>/<name>`` of the open checkpoint."""
-        if self._open is None:
-            return None
-        info = self._open.info
-        relative = os.path.relpath(os.path.abspath(path), os.path.abspath(info.save_dir))
-        tag, _, name = relative.partition(os.sep)
-        return name if tag == info.tag else None
-
-    @staticmethod
-    async def _stage(engine: CheckpointEngine, state: object, name: str, tag: str) -> Staged:
-        return engine.stage(state, name, tag=tag)
-
-    @staticmethod
-    async def _fence(staged: list[Staged]) -> None:
-        for handle in staged:
-            await handle
-
-    @staticmethod
-    async def _commit(engine: CheckpointEngine, tag: str, latest: bool) -> CommitResult:
-        # aoffload publishes tags in commit order and moves `latest` (the same plain-text file
-        # DeepSpeed reads) only once the tag is durable (on every rank, when distributed).
-        result = await engine.commit(tag, latest=latest)
-        logger.info("checkpoint %s is durable (%d bytes)", tag, result.bytes)
-        return result
-
     def _start_commit(self, opened: _Open) -> None:
         if opened.files == 0 and not self._distributed:
             # Nothing of this tag went through aoffload (a replica, or only plain exports).
             return
         # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
-        self._portal.call(self._fence(opened.staged))
+        self._portal.call(_fence(opened.staged))
         # Distributed: every rank takes part in every commit, with or without files.
         info = opened.info
         engine = self._bind(info.save_dir)
-        future = self._portal.submit(self._commit(engine, info.tag, info.save_latest))
-        self._commits.append((info.tag, future))
+        future = self._portal.submit(_commit(engine, info.tag, info.save_latest))
+        self._commits.add(info.tag, future)
 
     # -- DeepSpeed's CheckpointEngine interface ---------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """Begin checkpoint ``info.tag`` in ``info.save_dir``."""
         self._check_open()
-        self._raise_failed()
+        self._commits.raise_failed()
         if self._open is not None and self._open.info != info:
             # save_checkpoint() twice without a step in between: commit the first one now.
             opened, self._open = self._open, None
@@ -206,7 +200,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """Create ``path``, except the open tag's directory, which aoffload publishes."""
-        if self._in_open_tag(os.path.join(path, "")) is not None:
+        if _name_in(self._open, os.path.join(path, "")) is not None:
             return
         os.makedirs(path, exist_ok=exist_ok)
 
@@ -218,8 +212,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         ``torch.save``, as DeepSpeed's default engine does.
         """
         self._check_open()
-        self._raise_failed()
-        name = self._in_open_tag(path)
+        self._commits.raise_failed()
+        name = _name_in(self._open, path)
         if not self._writer and self._distributed and name:
             raise CheckpointError(
                 f"DeepSpeed asked rank {dist.get_rank()} to save {path}, but its engine is a "
@@ -233,7 +227,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             torch.save(state_dict, path)
             return
         engine = self._bind(self._open.info.save_dir)
-        staged = self._portal.call(self._stage(engine, state_dict, name, self._open.info.tag))
+        staged = self._portal.call(_stage(engine, state_dict, name, self._open.info.tag))
         self._open.staged.append(staged)
         self._open.files += 1
 
@@ -251,7 +245,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         ``latest`` is updated only once the checkpoint is durable.
         """
         self._check_open()
-        self._raise_failed()
+        self._commits.raise_failed()
         opened = self._open
         if opened is None or info.tag != opened.info.tag or info.save_dir != opened.info.save_dir:
             raise CheckpointError(f"commit({info}) does not match the open checkpoint {opened}")
@@ -274,7 +268,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         returns before the checkpoint is durable, this engine keeps that write to itself.
         """
         self._check_open()
-        self._raise_failed()
+        self._commits.raise_failed()
         if self._open is None:
             return None
         return dataclasses.replace(self._open.info, save_latest=False)
@@ -290,22 +284,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         naming the checkpoint still in flight (its commit goes on in the background).
         """
         self._check_open()
-        deadline = time.monotonic() + self._commit_timeout
-        while self._commits:
-            tag, future = self._commits[0]
-            try:
-                future.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except concurrent.futures.TimeoutError:
-                where = "on every rank " if self._distributed else ""
-                raise CheckpointError(
-                    f"waited {self._commit_timeout} s (commit_timeout) for checkpoint {tag!r} "
-                    f"in {self._directory} to become durable {where}and published; it is still "
-                    "being committed in the background. Check the writer's disk and the other "
-                    "ranks, or raise commit_timeout"
-                ) from None
-            finally:
-                if future.done():
-                    self._commits.remove((tag, future))
+        self._commits.wait(self._directory, distributed=self._distributed)
 
     def cleanup(self) -> None:
         """Commit the open checkpoint, wait until durable, and stop the writer; idempotent."""
