@@ -31,7 +31,7 @@ from ._optimizer import CONFIG, _deepspeed_in_process, _subgroups
 
 SECTION = "overlap"
 SUBGROUPS, NUMEL = 16, 1 << 20
-BACKWARDS = (0.0, 0.010, 0.030, 0.100)
+BACKWARDS = (0.0, 0.010, 0.015, 0.030, 0.100)  # 15 ms: about t_adam on 2 cores
 OVERFLOW_BACKWARD, OVERFLOW_EVERY = 0.030, 10
 LR = float(CONFIG["lr"])
 
@@ -40,6 +40,7 @@ SUPEROFFLOAD = "DeepSpeed SuperOffloadCPUOptimizer (driven as stage 3 drives it)
 PINNED = 0.8  # DeepSpeed's cpuadam_cores_perc default
 EXACT = "aoffload CPUAdam (defaults, exact_rollback=True)"
 IDEAL = "ideal: max(t_b, t_adam) + t_adam / 16"
+OWN = "optimizer time in the worker (c)"
 
 Groups = list[tuple[torch.Tensor, torch.Tensor]]
 # (what the step belongs to, t_b, whether it overflows); "warm-up" steps are not reported
@@ -201,14 +202,15 @@ def _superoffload(groups: Groups, plan: Plan) -> list[float]:
             optimizer.close()
 
 
-async def _aoffload(groups: Groups, plan: Plan, **options: Any) -> list[float]:
+async def _aoffload(groups: Groups, plan: Plan, **options: Any) -> tuple[list[float], list[float]]:
     """aoffload's CPUAdam: submit each sub-group when ready, ``drain()`` at the end; an
-    overflow rolls back every sub-group at once."""
+    overflow rolls back every sub-group at once. Returns the step times and the worker's
+    own optimizer time per step (the sum of the steps' ``seconds``)."""
     import aoffload
 
     params = [p.clone() for p, _ in groups]
     grads = [g.clone() for _, g in groups]
-    times = []
+    times, computes = [], []
     async with aoffload.CPUAdam([dict(CONFIG)], **options) as optimizer:
         for i in range(SUBGROUPS):
             await optimizer.register(0, i, params[i], grads[i])
@@ -217,16 +219,19 @@ async def _aoffload(groups: Groups, plan: Plan, **options: Any) -> list[float]:
             for i, ready in enumerate(_ready_times(started, t_b)):
                 await _await_until(ready)
                 optimizer.submit(0, i, params[i], grads[i], lr=LR)
-            await optimizer.drain()
+            results = await optimizer.drain()
             if overflow:
                 for i in range(SUBGROUPS):
                     optimizer.submit(0, i, params[i], grads[i], rollback=True)
                 await optimizer.drain()
             times.append(time.perf_counter() - started)
-    return times
+            computes.append(sum(result.seconds for result in results))
+    return times, computes
 
 
-def _run_aoffload(groups: Groups, plan: Plan, options: dict[str, Any]) -> list[float]:
+def _run_aoffload(
+    groups: Groups, plan: Plan, options: dict[str, Any]
+) -> tuple[list[float], list[float]]:
     return asyncio.run(_aoffload(groups, plan, **options))
 
 
@@ -252,6 +257,7 @@ def run(report: Report, *, quick: bool) -> None:
     overflow_only = _plan(0, (), windows)
     default, alternative, other_cores = _variants()
     measured: dict[str, dict[str, list[float]]] = {}
+    own: dict[str, dict[str, list[float]]] = {}
     t_adam: Figure | None = None
 
     progress(f"overlap: backward alone, {len(BACKWARDS)} x {reps} steps")
@@ -281,11 +287,12 @@ def run(report: Report, *, quick: bool) -> None:
     ):
         progress(f"overlap: {system}")
         try:
-            times = _restoring(functools.partial(_run_aoffload, groups, plan, options))
+            times, computes = _restoring(functools.partial(_run_aoffload, groups, plan, options))
         except Exception as exc:  # noqa: BLE001 - an aoffload error is a failure, reported
             report.fail(SECTION, system, exc)
             continue
         measured[system] = _collect(plan, times)
+        own[system] = _collect(plan, computes)
 
     report.notes.append(
         f"overlap: the backward is simulated; sub-group i's gradient is ready (i + 1) * t_b / "
@@ -294,7 +301,8 @@ def run(report: Report, *, quick: bool) -> None:
         "each wait's own overshoot); t_adam is the optimizer part of the sequential steps; "
         "the overflow is declared after the step, the gradients stay finite"
     )
-    _report(report, measured, t_adam, (default, alternative))
+    figures = _report(report, measured, t_adam, (default, alternative))
+    _report_own(report, figures, own, t_adam, (default, alternative))
 
 
 def _report(
@@ -302,7 +310,8 @@ def _report(
     measured: dict[str, dict[str, list[float]]],
     t_adam: Figure | None,
     variants: tuple[str, str],
-) -> None:
+) -> dict[tuple[str, str], Figure]:
+    """The main table and its ratios; returns the step-time figures by (system, metric)."""
     default, alternative = variants
     figures: dict[tuple[str, str], Figure] = {}
     for system, by_metric in measured.items():
@@ -355,6 +364,7 @@ def _report(
         Table(SECTION, "Step time (x the ideal), 16 x 1M sub-groups", ["system", *header], rows)
     )
     _report_overflow(report, measured, default)
+    return figures
 
 
 def _report_overflow(
@@ -382,4 +392,61 @@ def _report_overflow(
     )
     report.tables.append(
         Table(SECTION, f"Overflow: {where}", ["system", "mean step", "overflowed step"], rows)
+    )
+
+
+def _report_own(
+    report: Report,
+    figures: dict[tuple[str, str], Figure],
+    own: dict[str, dict[str, list[float]]],
+    t_adam: Figure | None,
+    variants: tuple[str, str],
+) -> None:
+    """Where aoffload's step time goes: the optimizer's own time in the worker, ``c``, and
+    the step against the ideal built from it, ``max(t_b, c) + c / 16``. What is left
+    beyond that ideal is the transport and the scheduling; ``c`` above ``t_adam`` is the
+    optimizer slowed by sharing the cores with the trainer."""
+    rows: list[list[str]] = []
+    for system in variants:
+        if system not in own:
+            continue
+        row = [system]
+        for t_b in BACKWARDS:
+            metric = _metric(t_b)
+            samples = own[system].get(metric)
+            step = figures.get((system, metric))
+            if not samples or step is None:
+                row.append("—")
+                continue
+            compute = report.add(SECTION, f"{system}: {OWN}", metric, "s", samples)
+            ideal = report.add(
+                SECTION,
+                f"{system}: ideal from c, max(t_b, c) + c / 16",
+                metric,
+                "s",
+                [max(t_b, c) + c / SUBGROUPS for c in samples],
+                note="derived from each step's c",
+            )
+            ratio = report.ratio(
+                SECTION, f"{system} / its ideal from c, t_b = {t_b * 1e3:g} ms", step, ideal
+            )
+            slowed = report.ratio(
+                SECTION, f"{system}: c / t_adam, t_b = {t_b * 1e3:g} ms", compute, t_adam
+            )
+            cell = f"c {format_value(compute.value, 's')}"
+            if slowed is not None:
+                cell += f" ({slowed.value:.2f}x t_adam)"
+            if ratio is not None:
+                cell += f", step {ratio.value:.2f}x its ideal"
+            row.append(cell)
+        rows.append(row)
+    header = [f"t_b = {t_b * 1e3:g} ms" for t_b in BACKWARDS]
+    report.tables.append(
+        Table(
+            SECTION,
+            "Where aoffload's step goes: c, the optimizer's own time in the worker, and the "
+            "step against max(t_b, c) + c / 16",
+            ["system", *header],
+            rows,
+        )
     )
