@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import aoffload
-from aoffload._runtime.threads import BACKGROUND_NICENESS
 
 
 def _threads_in_a_new_thread() -> int:
@@ -45,15 +44,16 @@ async def test_checkpoints_and_the_default_optimizer_leave_threads_and_affinity_
     assert os.sched_getaffinity(0) == affinity
 
 
-def _priority(thread_id: int) -> int:
-    return os.getpriority(os.PRIO_PROCESS, thread_id)
+def _policy(thread_id: int) -> int:
+    return os.sched_getscheduler(thread_id)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
-async def test_background_work_runs_at_a_lower_priority_and_the_trainer_at_its_own(
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread scheduling policies are Linux's")
+async def test_background_work_yields_the_cores_and_the_trainer_keeps_its_policy(
     tmp_path: Path,
 ) -> None:
-    mine = _priority(threading.get_native_id())
+    mine = _policy(threading.get_native_id())
+    assert mine != os.SCHED_IDLE
     async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
         await engine.save({"w": torch.randn(1 << 16)}, "model.pt", tag="t")
         await engine.commit("t")
@@ -61,11 +61,11 @@ async def test_background_work_runs_at_a_lower_priority_and_the_trainer_at_its_o
         assert copiers
         for thread in copiers:
             assert thread.native_id is not None
-            assert _priority(thread.native_id) == max(mine, BACKGROUND_NICENESS)
+            assert _policy(thread.native_id) == os.SCHED_IDLE
         assert engine.pid is not None
         # The writer's serving thread (its main thread) and its I/O thread.
-        writer = [_priority(int(t)) for t in os.listdir(f"/proc/{engine.pid}/task")]
-        assert _priority(engine.pid) == max(mine, BACKGROUND_NICENESS)
-        assert writer.count(max(mine, BACKGROUND_NICENESS)) >= 2
-        assert _priority(threading.get_native_id()) == mine
-        assert await asyncio.to_thread(lambda: _priority(threading.get_native_id())) == mine
+        writer = [_policy(int(t)) for t in os.listdir(f"/proc/{engine.pid}/task")]
+        assert _policy(engine.pid) == os.SCHED_IDLE
+        assert writer.count(os.SCHED_IDLE) >= 2
+        assert _policy(threading.get_native_id()) == mine
+        assert await asyncio.to_thread(lambda: _policy(threading.get_native_id())) == mine

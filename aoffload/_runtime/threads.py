@@ -28,37 +28,24 @@ from typing import Any, TypeVar
 from .._errors import ClosedError
 from .loops import new_event_loop
 
-__all__ = [
-    "BACKGROUND_NICENESS",
-    "DaemonThreadExecutor",
-    "Portal",
-    "lower_priority",
-    "mark_retrieved",
-]
+__all__ = ["DaemonThreadExecutor", "Portal", "lower_priority", "mark_retrieved"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-BACKGROUND_NICENESS = 10
-"""The nice value of the library's background threads (staging copies, the writer)."""
+def lower_priority() -> None:
+    """Run the calling thread (and threads it starts later) as background work.
 
-
-def lower_priority(niceness: int = BACKGROUND_NICENESS) -> None:
-    """Give the calling thread (and threads it starts later) a lower CPU priority.
-
-    Background work (the staging copy, the checkpoint writer) then yields the cores to the
-    trainer's threads, the event loop first, whenever they want to run, and still takes
-    every idle cycle. Linux keeps a nice value per thread, so nothing else in the process
-    changes; elsewhere this does nothing. The priority is only ever lowered, which needs
-    no privilege.
+    Linux's ``SCHED_IDLE`` policy: any other thread that wakes up, the trainer's event
+    loop first, takes the core at once, and the background thread (a staging copy, the
+    checkpoint writer) runs on the cycles nobody else wants. Linux keeps the policy per
+    thread, so nothing else in the process changes; elsewhere this does nothing.
+    Lowering a thread's policy needs no privilege.
     """
-    if sys.platform != "linux":
-        return
-    thread = threading.get_native_id()
-    if os.getpriority(os.PRIO_PROCESS, thread) < niceness:
-        os.setpriority(os.PRIO_PROCESS, thread, niceness)
+    if sys.platform == "linux":
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
 
 
 def mark_retrieved(future: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
@@ -77,7 +64,7 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
     Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the
     interpreter joins at exit, a thread blocked in ``recv()`` here can never hang
     interpreter shutdown, even if a user forgot ``aclose()``. ``background=True`` runs
-    the thread at :func:`lower_priority`.
+    the thread as background work (:func:`lower_priority`).
     """
 
     def __init__(self, name: str, *, background: bool = False) -> None:

@@ -11,8 +11,9 @@ waits for the CUDA copies (blocking on their events, without the GIL), compares 
 tensor's version counter with the one planned, and resolves the job's future.
 
 Nothing here changes torch's thread count, which would change it for the trainer too.
-The pool's threads run at :func:`~.._runtime.threads.lower_priority`: on a machine whose
-cores are all busy copying, the event loop and the training step still run at once.
+The pool's threads run as background work (Linux's ``SCHED_IDLE``, through
+:func:`~.._runtime.threads.lower_priority`): while they keep every core busy copying,
+the event loop and the training step still take a core the moment they wake up.
 """
 
 from __future__ import annotations
