@@ -11,7 +11,7 @@
 
 from ._commit import CommitResult as CommitResult
 from ._engine import CheckpointEngine as CheckpointEngine
+from ._load import load_checkpoint as load_checkpoint
 from ._stager import Staged as Staged
-from ._store import load_checkpoint as load_checkpoint
 
 __all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")

@@ -21,7 +21,7 @@ from .._errors import AoffloadError, ClosedError, InvalidStateError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor
-from . import _lock, _store
+from . import _load, _lock, _store
 from ._commit import Catalog, CommitResult
 from ._committer import Committer
 from ._distributed import Ranks
@@ -288,4 +288,11 @@ class CheckpointEngine(AsyncResource):
         mismatch), loaded with ``weights_only=True`` off the event loop.
         """
         self.check_running()
-        return await _store.load(self._directory, name, tag, map_location, verify, self._executor())
+        return await _load.load(
+            self._directory, name, tag, map_location, verify, self._executor(), self._load_remote
+        )
+
+    async def _load_remote(self, call: _load.LoadFile, finish: _load.Finish) -> Any:
+        if self._bridge is None:  # a replica has no writer
+            return await _load.temporary_loader(call, finish)
+        return await finish(await self._bridge.request(call))

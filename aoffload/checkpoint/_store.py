@@ -20,7 +20,6 @@ awaits (``latest``, a manifest) go through aiofiles.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import mmap
 import os
@@ -37,7 +36,6 @@ import torch
 import xxhash
 
 from .._errors import CheckpointError, CorruptCheckpointError, InvalidStateError
-from .._runtime.threads import DaemonThreadExecutor
 
 __all__ = [
     "FORMAT",
@@ -46,7 +44,6 @@ __all__ = [
     "FileEntry",
     "MapLocation",
     "Scan",
-    "load_checkpoint",
     "adopt",
     "digest",
     "gather",
@@ -351,76 +348,3 @@ def verify_file(path: Path, entry: Mapping[str, Any]) -> None:
         raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
     if digest.hexdigest() != entry["xxh3_64"]:
         raise CorruptCheckpointError(f"{path}: checksum mismatch (xxh3-64); the file is corrupt")
-
-
-def _verify_load(
-    path: Path, entry: Mapping[str, Any], map_location: MapLocation, verify: bool
-) -> Any:
-    if verify:
-        verify_file(path, entry)
-    try:
-        # mmap: tensors map the file's pages instead of being read into fresh memory
-        # under the GIL (170 ms of loop lag for 256 MiB without it).
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
-    except Exception as exc:
-        raise CheckpointError(f"could not load {path} with weights_only=True: {exc}") from exc
-
-
-async def load(
-    directory: Path,
-    name: str,
-    tag: str | None,
-    map_location: MapLocation,
-    verify: bool,
-    executor: Executor | None,
-) -> Any:
-    """Load file ``name`` of committed ``tag`` (default: ``latest``), verified, off the loop."""
-    name = validate_name(name)
-    if tag is None:
-        tag = await read_latest(directory, executor)
-        if tag is None:
-            raise CheckpointError(f"{directory} holds no committed checkpoint (no {LATEST!r})")
-    tag = validate_tag(tag)
-    try:
-        manifest = await read_manifest(directory / tag / MANIFEST, executor)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{directory} has no committed checkpoint {tag!r}") from exc
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise CheckpointError(
-            f"checkpoint {tag!r} has no file {name!r}; it has {sorted(manifest['files'])}"
-        )
-    loop = asyncio.get_running_loop()
-    path = directory / tag / name
-    return await loop.run_in_executor(executor, _verify_load, path, entry, map_location, verify)
-
-
-async def load_checkpoint(
-    directory: str | os.PathLike[str],
-    name: str,
-    tag: str | None = None,
-    *,
-    map_location: MapLocation = "cpu",
-    verify: bool = True,
-) -> Any:
-    """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
-
-    ``tag=None`` reads the checkpoint ``latest`` names. The file's size and xxh3-64 are
-    checked against the manifest (``verify=False`` skips that), then it is loaded with
-    ``torch.load(..., weights_only=True, map_location=map_location)`` off the event loop.
-    Raises :class:`CorruptCheckpointError` naming the file on a mismatch or a missing
-    file, and :class:`CheckpointError` for an unknown tag or name.
-    """
-    executor = DaemonThreadExecutor("aoffload-load")
-    try:
-        loaded = await load(Path(directory), name, tag, map_location, verify, executor)
-    except asyncio.CancelledError:
-        executor.shutdown(wait=False)  # its read may still run: never join it on the loop
-        raise
-    except BaseException:
-        executor.shutdown(wait=True)  # idle: the call that failed has returned
-        raise
-    executor.shutdown(wait=True)  # idle: joining it takes microseconds
-    return loaded

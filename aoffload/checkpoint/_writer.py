@@ -31,6 +31,7 @@ import xxhash
 from .._runtime.protocol import Call
 from .._runtime.serve import Handler, Service, target
 from .._runtime.threads import DaemonThreadExecutor, lower_priority
+from ._load import LoadedFile, LoadFile, load_in_worker
 
 __all__ = [
     "TARGET",
@@ -219,13 +220,23 @@ class WriterService(Service):
         self._config = config
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
+        self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
         lower_priority()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io", background=True)
         torch.serialization.set_crc32_options(False)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
-        """Map a segment, write a file, fsync a tree."""
-        return {MapSegment: self._map, WriteFile: self._write, SyncTree: self._sync}
+        """Map a segment, write a file, fsync a tree, load a file for the trainer."""
+        return {
+            MapSegment: self._map,
+            WriteFile: self._write,
+            SyncTree: self._sync,
+            LoadFile: self._load,
+        }
+
+    def _load(self, message: LoadFile) -> LoadedFile:
+        self._blobs = [blob for blob in self._blobs if os.path.exists(blob)]
+        return load_in_worker(message, self._blobs)
 
     def _map(self, message: MapSegment) -> None:
         fd = os.open(message.path, os.O_RDWR)
@@ -296,7 +307,10 @@ class WriterService(Service):
                 os.close(fd)
 
     def close(self) -> None:
-        """Unmap every staging segment."""
+        """Unmap every staging segment; remove what loads left that the trainer never read."""
+        for blob in self._blobs:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(blob)
         while self._segments:
             _, (mapping, array) = self._segments.popitem()
             del array

@@ -1,0 +1,78 @@
+"""Files whose non-tensor values are large load in a worker: exactly, and leaving nothing.
+
+torch's weights-only unpickler holds the GIL for the whole decoding of a large value, which
+would stall the trainer's loop from any thread, so such a file loads in a worker process
+(the engine's writer, or one started by ``load_checkpoint``). These tests check that path
+gives what ``torch.load`` gives, leaks no ``/dev/shm`` file or process, and reports what
+``weights_only`` refuses; the loop lag it saves is measured by ``python -m aoffload.bench
+looplag``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import aoffload
+from aoffload.checkpoint import _load
+
+from ._leaks import Snapshot
+from .test_checkpoint import _warm_up, assert_same  # noqa: F401 - the module's warm-up
+
+BIG = 12 * 10**6  # bytes: its pickle is past the size from which a worker loads the file
+
+
+def big_state() -> dict[str, object]:
+    weights = torch.randn(256, 64)
+    return {
+        "blob": os.urandom(BIG),
+        "weights": weights,
+        "rows": weights[3:7],
+        "trained": torch.randn(5).requires_grad_(),
+        "nested": {"small": b"abc", "step": 3, "ids": torch.arange(5), "none": None},
+        "empty": torch.empty(0, 2),
+    }
+
+
+async def test_large_non_tensor_values_load_exactly_and_leave_nothing(tmp_path: Path) -> None:
+    state = await asyncio.to_thread(big_state)  # (starts the loop's default executor)
+    before = Snapshot.take()
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(state, "m.pt", tag="t")
+        await engine.commit("t")
+        path = tmp_path / "t" / "m.pt"
+        assert _load._pickle_bytes(path) >= _load.REMOTE_PICKLE
+        expected = await asyncio.to_thread(torch.load, path, weights_only=True)
+        loaded = await engine.load("m.pt")
+    assert_same(loaded, expected)
+    assert loaded["trained"].requires_grad
+    assert not loaded["weights"].requires_grad
+    assert_same(await aoffload.load_checkpoint(tmp_path, "m.pt"), expected)
+    assert not Snapshot.take().leaked_since(before)  # no /dev/shm file, no loader process
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "load_checkpoint"])
+async def test_a_value_weights_only_refuses_is_a_checkpoint_error(
+    tmp_path: Path, engine: bool
+) -> None:
+    state = {"blob": await asyncio.to_thread(os.urandom, BIG), "odd": collections.deque([1])}
+    async with aoffload.CheckpointEngine(tmp_path) as writer:
+        await writer.save(state, "m.pt", tag="t")
+        await writer.commit("t")
+        if engine:
+            with pytest.raises(
+                aoffload.CheckpointError, match=r"(?s)weights_only=True.*collections\.deque"
+            ):
+                await writer.load("m.pt")
+            await writer.save({"w": torch.ones(2)}, "m.pt", tag="u")  # the engine serves on
+            await writer.commit("u")
+    if not engine:
+        with pytest.raises(
+            aoffload.CheckpointError, match=r"(?s)weights_only=True.*collections\.deque"
+        ):
+            await aoffload.load_checkpoint(tmp_path, "m.pt")
