@@ -41,8 +41,8 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
 from .._runtime.threads import DaemonThreadExecutor
-from ._affinity import Affinity, plan_split
-from ._calls import AdamConfig, GetInfo, Step
+from ._affinity import Affinity, Split, plan_split
+from ._calls import AdamConfig, GetInfo, GroupConfig, Step
 from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
 from ._service import TARGET
 from ._state import StateTransfer, parse
@@ -57,6 +57,37 @@ _BACKENDS = ("auto", "deepspeed", "torch")
 
 def _nothing() -> None:
     return None
+
+
+def _checked_groups(
+    param_groups: Sequence[Mapping[str, object]], backend: str, worker_cores: float | None
+) -> tuple[GroupConfig, ...]:
+    """Validate :class:`CPUAdam`'s arguments; its param groups as GroupConfigs."""
+    if isinstance(param_groups, Mapping):
+        param_groups = [param_groups]
+    if not param_groups:
+        raise OptimizerError("CPUAdam needs at least one param group")
+    if backend not in _BACKENDS:
+        raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
+        raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+    return tuple(group_config(i, group) for i, group in enumerate(param_groups))
+
+
+async def _start_worker(bridge: Bridge, split: Split, affinity: Affinity) -> str:
+    """Start the worker, pin the trainer to its side of ``split``, log both; the backend's name."""
+    await bridge.start()
+    info = await bridge.request(GetInfo())
+    affinity.apply(split)
+    logger.info(
+        "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
+        bridge.pid,
+        info.backend,
+        info.threads,
+        "unpinned" if info.cores is None else list(info.cores),
+        split.trainer if split.worker is not None else "unpinned",
+    )
+    return info.backend
 
 
 class CPUAdam(AsyncResource):
@@ -94,16 +125,9 @@ class CPUAdam(AsyncResource):
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
     ) -> None:
-        if isinstance(param_groups, Mapping):
-            param_groups = [param_groups]
-        if not param_groups:
-            raise OptimizerError("CPUAdam needs at least one param group")
-        if backend not in _BACKENDS:
-            raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
-            raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+        groups = _checked_groups(param_groups, backend, worker_cores)
         super().__init__()
-        self._groups = tuple(group_config(i, group) for i, group in enumerate(param_groups))
+        self._groups = groups
         self._requested_backend = backend
         self._worker_cores = worker_cores
         self._exact = exact_rollback
@@ -146,26 +170,14 @@ class CPUAdam(AsyncResource):
             cores=split.worker,
             threads=split.threads,
         )
-        bridge = self._bridge = Bridge(
+        self._bridge = Bridge(
             TARGET,
             config,
             name="cpu-adam",
             start_timeout=self._start_timeout,
             close_timeout=self._close_timeout,
         )
-        await bridge.start()
-        info = await bridge.request(GetInfo())
-        self._backend = info.backend
-        if split.worker is not None:
-            self._affinity.apply(split.original, split.trainer)
-        logger.info(
-            "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
-            bridge.pid,
-            info.backend,
-            info.threads,
-            "unpinned" if info.cores is None else list(info.cores),
-            split.trainer if split.worker is not None else "unpinned",
-        )
+        self._backend = await _start_worker(self._bridge, split, self._affinity)
 
     async def _close(self) -> None:
         """Stop the worker after the steps already sent.
