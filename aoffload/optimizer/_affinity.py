@@ -58,17 +58,20 @@ class Affinity:
         self._saved: dict[int, set[int]] = {}
         self._threads: int | None = None
 
-    def apply(self, original: set[int], trainer: list[int]) -> None:
+    def apply(self, split: Split) -> None:
+        """Pin the trainer to its side of ``split`` (nothing when the worker is unpinned)."""
+        if split.worker is None:
+            return
         for task in Path("/proc/self/task").iterdir():
             tid = int(task.name)
             try:
-                if os.sched_getaffinity(tid) == original:
-                    os.sched_setaffinity(tid, trainer)
-                    self._saved[tid] = original
+                if os.sched_getaffinity(tid) == split.original:
+                    os.sched_setaffinity(tid, split.trainer)
+                    self._saved[tid] = split.original
             except OSError:
                 continue  # the thread ended meanwhile
         self._threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, min(self._threads, len(trainer))))
+        torch.set_num_threads(max(1, min(self._threads, len(split.trainer))))
 
     def restore(self) -> None:
         for tid, cores in self._saved.items():

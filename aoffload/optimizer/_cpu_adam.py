@@ -40,12 +40,11 @@ import torch
 from .._errors import ClosedError, OptimizerError
 from .._runtime.bridge import Bridge
 from .._runtime.resource import AsyncResource
-from .._runtime.threads import DaemonThreadExecutor
-from ._affinity import Affinity, plan_split
-from ._calls import AdamConfig, GetInfo, Step
+from ._affinity import Affinity, Split, plan_split
+from ._calls import AdamConfig, GetInfo, GroupConfig, Step
 from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
 from ._service import TARGET
-from ._state import StateTransfer, parse
+from ._state import StateTransfer
 from ._subgroups import Registry, group_config, share, valid_lr, validate
 
 __all__ = ["CPUAdam"]
@@ -55,8 +54,35 @@ logger = logging.getLogger(__name__)
 _BACKENDS = ("auto", "deepspeed", "torch")
 
 
-def _nothing() -> None:
-    return None
+def _checked_groups(
+    param_groups: Sequence[Mapping[str, object]], backend: str, worker_cores: float | None
+) -> tuple[GroupConfig, ...]:
+    """Validate :class:`CPUAdam`'s arguments; its param groups as GroupConfigs."""
+    if isinstance(param_groups, Mapping):
+        param_groups = [param_groups]
+    if not param_groups:
+        raise OptimizerError("CPUAdam needs at least one param group")
+    if backend not in _BACKENDS:
+        raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
+        raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+    return tuple(group_config(i, group) for i, group in enumerate(param_groups))
+
+
+async def _start_worker(bridge: Bridge, split: Split, affinity: Affinity) -> str:
+    """Start the worker, pin the trainer to its side of ``split``, log both; the backend's name."""
+    await bridge.start()
+    info = await bridge.request(GetInfo())
+    affinity.apply(split)
+    logger.info(
+        "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
+        bridge.pid,
+        info.backend,
+        info.threads,
+        "unpinned" if info.cores is None else list(info.cores),
+        split.trainer if split.worker is not None else "unpinned",
+    )
+    return info.backend
 
 
 class CPUAdam(AsyncResource):
@@ -94,16 +120,9 @@ class CPUAdam(AsyncResource):
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
     ) -> None:
-        if isinstance(param_groups, Mapping):
-            param_groups = [param_groups]
-        if not param_groups:
-            raise OptimizerError("CPUAdam needs at least one param group")
-        if backend not in _BACKENDS:
-            raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
-            raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+        groups = _checked_groups(param_groups, backend, worker_cores)
         super().__init__()
-        self._groups = tuple(group_config(i, group) for i, group in enumerate(param_groups))
+        self._groups = groups
         self._requested_backend = backend
         self._worker_cores = worker_cores
         self._exact = exact_rollback
@@ -112,7 +131,6 @@ class CPUAdam(AsyncResource):
         self._bridge: Bridge | None = None
         self._backend: str | None = None
         self._affinity = Affinity()
-        self._executor: DaemonThreadExecutor | None = None
         self._registry = Registry()
         self._subgroups = self._registry.subgroups
         self._outcomes = Outcomes()
@@ -146,26 +164,14 @@ class CPUAdam(AsyncResource):
             cores=split.worker,
             threads=split.threads,
         )
-        bridge = self._bridge = Bridge(
+        self._bridge = Bridge(
             TARGET,
             config,
             name="cpu-adam",
             start_timeout=self._start_timeout,
             close_timeout=self._close_timeout,
         )
-        await bridge.start()
-        info = await bridge.request(GetInfo())
-        self._backend = info.backend
-        if split.worker is not None:
-            self._affinity.apply(split.original, split.trainer)
-        logger.info(
-            "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
-            bridge.pid,
-            info.backend,
-            info.threads,
-            "unpinned" if info.cores is None else list(info.cores),
-            split.trainer if split.worker is not None else "unpinned",
-        )
+        self._backend = await _start_worker(self._bridge, split, self._affinity)
 
     async def _close(self) -> None:
         """Stop the worker after the steps already sent.
@@ -182,12 +188,8 @@ class CPUAdam(AsyncResource):
                 await self._bridge.aclose()
         finally:
             self._affinity.restore()
-            if self._executor is not None:
-                # Wait out a registration copy still running, then stop the idle thread.
-                await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
-                self._executor.shutdown(wait=True)
+            await self._registry.close()
             self._outcomes.wake()
-            self._subgroups.clear()
             self._transfer.clear()
 
     # -- submitting ----------------------------------------------------------------------
@@ -214,9 +216,8 @@ class CPUAdam(AsyncResource):
         if (group_id, subgroup_id) in self._subgroups:
             return
         self._registry.check_loaded(group_id, subgroup_id, param_t)
-        if self._executor is None:
-            self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
-        await asyncio.get_running_loop().run_in_executor(self._executor, share, param_t, grad_t)
+        thread = self._registry.thread()
+        await asyncio.get_running_loop().run_in_executor(thread, share, param_t, grad_t)
         bridge = self._running_bridge()
         if (group_id, subgroup_id) not in self._subgroups:
             await self._registry.register(bridge, group_id, subgroup_id, param_t, grad_t)
@@ -303,9 +304,7 @@ class CPUAdam(AsyncResource):
         flat CPU float32 views of shared memory that the caller owns: later steps never
         change them, and :meth:`CheckpointEngine.save` takes them as they are.
         """
-        bridge = self._running_bridge()
-        keys = sorted(self._subgroups)
-        return await self._transfer.snapshot(bridge, keys, [self._subgroups[k].numel for k in keys])
+        return await self._transfer.snapshot(self._running_bridge(), self._subgroups)
 
     async def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the optimizer state with ``state_dict`` (from :meth:`state_dict`).
@@ -322,18 +321,10 @@ class CPUAdam(AsyncResource):
         bridge = self._running_bridge()
         if self._loading:
             raise OptimizerError("another load_state_dict() is in progress")
-        registered = {key: sub.numel for key, sub in self._subgroups.items()}
-        plan = parse(state_dict, len(self._groups), registered)
-        if self._executor is None:
-            self._executor = DaemonThreadExecutor("aoffload-cpu-adam-register")
         self._loading = True
         try:
-            await self._transfer.load(bridge, plan, self._executor)
+            self._groups = await self._transfer.load_state_dict(
+                bridge, state_dict, len(self._groups), self._registry
+            )
         finally:
             self._loading = False
-        self._groups = plan.groups
-        self._registry.loaded = {
-            (gid, sid): numel
-            for gid, sid, numel, *_ in plan.entries
-            if (gid, sid) not in registered
-        }

@@ -35,7 +35,7 @@ from .._errors import OptimizerError
 from .._runtime.bridge import Bridge
 from .._runtime.threads import mark_retrieved
 from ._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
-from ._subgroups import group_config
+from ._subgroups import Registry, SubGroup, group_config
 
 __all__ = ["FORMAT", "LoadPlan", "StateTransfer", "parse"]
 
@@ -117,9 +117,11 @@ class StateTransfer:
         self._buffers.clear()
 
     async def snapshot(
-        self, bridge: Bridge, keys: list[tuple[int, int]], numels: list[int]
+        self, bridge: Bridge, subgroups: Mapping[tuple[int, int], SubGroup]
     ) -> dict[str, Any]:
         """Send the snapshot now (it covers every step sent before) and build the state dict."""
+        keys = sorted(subgroups)
+        numels = [subgroups[key].numel for key in keys]
         total = 2 * sum(numels)
         buffer = self._acquire(bridge, total) if total else None
         reply = bridge.call(Snapshot(-1 if buffer is None else buffer.id, tuple(keys)))
@@ -135,6 +137,25 @@ class StateTransfer:
         if _use_count is None:
             self._forget(bridge, buffer)  # cannot tell when it is free: never reuse it
         return state
+
+    async def load_state_dict(
+        self, bridge: Bridge, state_dict: object, groups: int, registry: Registry
+    ) -> tuple[GroupConfig, ...]:
+        """Check ``state_dict``, load it into the worker and return its param groups.
+
+        ``groups`` is the number of param groups; the moments are staged on the
+        ``registry``'s thread, and the state of sub-groups it does not hold yet is noted
+        there, for their registration to check.
+        """
+        registered = {key: sub.numel for key, sub in registry.subgroups.items()}
+        plan = parse(state_dict, groups, registered)
+        await self.load(bridge, plan, registry.thread())
+        registry.loaded = {
+            (gid, sid): numel
+            for gid, sid, numel, *_ in plan.entries
+            if (gid, sid) not in registered
+        }
+        return plan.groups
 
     async def load(self, bridge: Bridge, plan: LoadPlan, executor: Any) -> None:
         """Stage ``plan``'s moments in a buffer (on ``executor``), then load them at once."""

@@ -15,7 +15,7 @@ import torch
 
 from .._errors import OptimizerError
 from .._runtime.bridge import Bridge
-from .._runtime.threads import mark_retrieved
+from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
 from ._calls import GROUP_KEYS, GroupConfig, Register
 
 __all__ = [
@@ -166,12 +166,33 @@ def share(param: torch.Tensor, grad: torch.Tensor) -> None:
         ) from exc
 
 
+def _nothing() -> None:
+    return None
+
+
 class Registry:
-    """The sub-groups registered with one worker, and the loaded state waiting for others."""
+    """The sub-groups registered with one worker, and the loaded state waiting for others.
+
+    It also owns the thread that moves their tensors to shared memory off the event loop.
+    """
 
     def __init__(self) -> None:
         self.subgroups: dict[tuple[int, int], SubGroup] = {}
         self.loaded: dict[tuple[int, int], int] = {}  # numel of loaded, unregistered sub-groups
+        self._thread: DaemonThreadExecutor | None = None
+
+    def thread(self) -> DaemonThreadExecutor:
+        """The copying thread (started on first use)."""
+        if self._thread is None:
+            self._thread = DaemonThreadExecutor("aoffload-cpu-adam-register")
+        return self._thread
+
+    async def close(self) -> None:
+        """Wait out a copy still running, stop the thread and forget every sub-group."""
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, _nothing)
+            self._thread.shutdown(wait=True)
+        self.subgroups.clear()
 
     def check_loaded(self, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
         """Refuse a sub-group whose size differs from the state loaded for it."""
