@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,17 @@ async def _idle() -> None:
     await asyncio.sleep(0.3)
 
 
+async def _foreign_load(path: Path) -> None:
+    """The same load in a process of its own, not aoffload's: what the machine itself costs."""
+    code = (
+        "import os, torch; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+        f"torch.load({str(path)!r}, weights_only=True, mmap=True)"
+    )
+    process = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+    if await process.wait() != 0:
+        raise RuntimeError(f"torch.load of {path} in another process failed")
+
+
 async def _one_engine(
     root: Path, state: dict[str, torch.Tensor], blob: dict[str, bytes]
 ) -> dict[str, tuple[float, float]]:
@@ -73,6 +85,9 @@ async def _one_engine(
             seen[f"save, {case}"] = await _lagged(partial(engine.save, saved, "m.pt", tag=tag))
             seen[f"commit, {case}"] = await _lagged(partial(engine.commit, tag))
             seen[f"load, {case}"] = await _lagged(partial(engine.load, "m.pt", tag=tag))
+    if sys.platform == "linux":
+        control = "control: that load by torch.load in another process, not aoffload's"
+        seen[control] = await _lagged(partial(_foreign_load, root / "blob" / "m.pt"))
     return seen
 
 
@@ -108,5 +123,8 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
         f"loop lag: a 1 ms ticker beside each phase, read on time.perf_counter, {size_gib:g} "
         f"GiB of fp32 tensors ({tensors} tensors) or one 64 MB bytes value, {reps} fresh "
         "engines per loop; the idle row is the ticker with nothing else running (uvloop's "
-        "timers fire on whole milliseconds); goal max < 20 ms, p99 < 2 ms"
+        "timers fire on whole milliseconds); the control row is the 64 MB file loaded by "
+        "plain torch.load in a separate background process while this loop only ticks "
+        "(what the VM costs a loop when another process loads it); goal max < 20 ms, "
+        "p99 < 2 ms"
     )

@@ -78,13 +78,16 @@ def _mapping_start(path: str) -> int:
 
 
 class _Skeleton(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, path: str, start: int, blobs: list[str]) -> None:
+    def __init__(self, file: io.BytesIO, path: str, blobs: list[str]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._path, self._start, self._blobs = path, start, blobs
+        self._path, self._blobs = path, blobs
+        self._start: int | None = None  # read once a tensor keeps the mapping alive
         self._size = os.path.getsize(path)
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, torch.Tensor):
+            if self._start is None:
+                self._start = _mapping_start(self._path)
             storage = obj.untyped_storage()
             nbytes = storage.nbytes()
             at = storage.data_ptr() - self._start if nbytes else 0
@@ -121,7 +124,7 @@ def load_in_worker(call: LoadFile, blobs: list[str]) -> LoadedFile:
     made: list[str] = []
     try:
         buffer = io.BytesIO()
-        _Skeleton(buffer, path, _mapping_start(path), made).dump(state)
+        _Skeleton(buffer, path, made).dump(state)
     except BaseException:
         _unlink(made)
         raise
