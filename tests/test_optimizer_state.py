@@ -235,6 +235,8 @@ async def test_snapshot_covers_steps_in_flight_and_never_changes_afterwards() ->
         await asyncio.sleep(0)  # the load runs up to its first wait
         with pytest.raises(aoffload.OptimizerError, match="in progress"):
             opt.submit(0, 0, p, g)
+        with pytest.raises(aoffload.OptimizerError, match="in progress"):
+            await opt.register(0, 1, torch.zeros(10), torch.ones(10))  # it would miss its state
         await loading
         assert (await opt.state_dict())["state"][0][0]["step"] == 3
 

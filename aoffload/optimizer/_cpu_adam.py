@@ -216,11 +216,19 @@ class CPUAdam(AsyncResource):
         if (group_id, subgroup_id) in self._subgroups:
             return
         self._registry.check_loaded(group_id, subgroup_id, param_t)
+        self._check_not_loading()
         thread = self._registry.thread()
         await asyncio.get_running_loop().run_in_executor(thread, share, param_t, grad_t)
         bridge = self._running_bridge()
+        self._check_not_loading()
         if (group_id, subgroup_id) not in self._subgroups:
             await self._registry.register(bridge, group_id, subgroup_id, param_t, grad_t)
+
+    def _check_not_loading(self) -> None:
+        if self._loading:
+            raise OptimizerError(
+                "load_state_dict() is in progress: await it before submitting or registering"
+            )
 
     def submit(
         self,
@@ -241,8 +249,7 @@ class CPUAdam(AsyncResource):
         anything is sent.
         """
         bridge = self._running_bridge()
-        if self._loading:
-            raise OptimizerError("load_state_dict() is in progress: await it before submitting")
+        self._check_not_loading()
         key = (group_id, subgroup_id)
         sub = self._subgroups.get(key)
         register: asyncio.Future[None] | None = None
