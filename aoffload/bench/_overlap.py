@@ -26,21 +26,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._common import Figure, Report, Table, format_value, progress
+from ._common import Figure, Report, progress
 from ._optimizer import CONFIG, _deepspeed_in_process, _subgroups
-
-SECTION = "overlap"
-SUBGROUPS, NUMEL = 16, 1 << 20
-BACKWARDS = (0.0, 0.010, 0.015, 0.030, 0.100)  # 15 ms: about t_adam on 2 cores
-OVERFLOW_BACKWARD, OVERFLOW_EVERY = 0.030, 10
-LR = float(CONFIG["lr"])
-
-SEQUENTIAL = "in-process DeepSpeedCPUAdam, after the backward (sequential)"
-SUPEROFFLOAD = "DeepSpeed SuperOffloadCPUOptimizer (driven as stage 3 drives it)"
-PINNED = 0.8  # DeepSpeed's cpuadam_cores_perc default
-EXACT = "aoffload CPUAdam (defaults, exact_rollback=True)"
-IDEAL = "ideal: max(t_b, t_adam) + t_adam / 16"
-OWN = "optimizer time in the worker (c)"
+from ._overlap_report import (
+    BACKWARDS,
+    EXACT,
+    LR,
+    NUMEL,
+    OVERFLOW_BACKWARD,
+    OVERFLOW_EVERY,
+    PINNED,
+    SECTION,
+    SEQUENTIAL,
+    SUBGROUPS,
+    SUPEROFFLOAD,
+    report_own,
+    report_steps,
+    step_metric,
+)
 
 Groups = list[tuple[torch.Tensor, torch.Tensor]]
 # (what the step belongs to, t_b, whether it overflows); "warm-up" steps are not reported
@@ -62,10 +65,6 @@ def _variants() -> tuple[str, str, float | None]:
     )
 
 
-def _metric(t_b: float) -> str:
-    return f"step, t_b = {t_b * 1e3:g} ms"
-
-
 def _ready_times(started: float, t_b: float) -> list[float]:
     return [started + (i + 1) * t_b / SUBGROUPS for i in range(SUBGROUPS)]
 
@@ -84,7 +83,7 @@ async def _await_until(deadline: float) -> None:
 
 def _plan(reps: int, backwards: Sequence[float], windows: int) -> Plan:
     plan: Plan = [("warm-up", 0.0, False)]
-    plan += [(_metric(t_b), t_b, False) for t_b in backwards for _ in range(reps)]
+    plan += [(step_metric(t_b), t_b, False) for t_b in backwards for _ in range(reps)]
     for _ in range(windows):
         plan += [("window", OVERFLOW_BACKWARD, i == OVERFLOW_EVERY - 1) for i in range(10)]
     return plan
@@ -301,152 +300,5 @@ def run(report: Report, *, quick: bool) -> None:
         "each wait's own overshoot); t_adam is the optimizer part of the sequential steps; "
         "the overflow is declared after the step, the gradients stay finite"
     )
-    figures = _report(report, measured, t_adam, (default, alternative))
-    _report_own(report, figures, own, t_adam, (default, alternative))
-
-
-def _report(
-    report: Report,
-    measured: dict[str, dict[str, list[float]]],
-    t_adam: Figure | None,
-    variants: tuple[str, str],
-) -> dict[tuple[str, str], Figure]:
-    """The main table and its ratios; returns the step-time figures by (system, metric)."""
-    default, alternative = variants
-    figures: dict[tuple[str, str], Figure] = {}
-    for system, by_metric in measured.items():
-        for metric in (_metric(t_b) for t_b in BACKWARDS):
-            if metric in by_metric:
-                figures[system, metric] = report.add(
-                    SECTION, system, metric, "s", by_metric[metric]
-                )
-    ideal: dict[float, Figure] = {}
-    if t_adam is None:
-        report.notes.append("overlap: no t_adam (in-process DeepSpeedCPUAdam skipped): no ideal")
-    else:
-        for t_b in BACKWARDS:
-            ideal[t_b] = report.add(
-                SECTION,
-                IDEAL,
-                _metric(t_b),
-                "s",
-                [max(t_b, a) + a / SUBGROUPS for a in t_adam.samples],
-                note="derived from each t_adam sample",
-            )
-    ours = [s for s in variants if s in measured]
-    rows: list[list[str]] = []
-    for system in (SEQUENTIAL, SUPEROFFLOAD, default, alternative):
-        if system not in measured:
-            continue
-        row = [system]
-        for t_b in BACKWARDS:
-            figure = figures.get((system, _metric(t_b)))
-            ratio = report.ratio(
-                SECTION, f"{system} / ideal, t_b = {t_b * 1e3:g} ms", figure, ideal.get(t_b)
-            )
-            cell = "—" if figure is None else format_value(figure.value, "s")
-            row.append(cell if ratio is None else f"{cell} ({ratio.value:.2f}x)")
-        rows.append(row)
-    for t_b in BACKWARDS:
-        metric = _metric(t_b)
-        for system in ours:
-            for anchor in (SEQUENTIAL, SUPEROFFLOAD):
-                report.ratio(
-                    SECTION,
-                    f"{anchor} / {system}, t_b = {t_b * 1e3:g} ms (> 1: aoffload faster)",
-                    figures.get((anchor, metric)),
-                    figures.get((system, metric)),
-                )
-    header = [f"t_b = {t_b * 1e3:g} ms" for t_b in BACKWARDS]
-    if ideal:
-        rows.append([IDEAL, *(format_value(ideal[t_b].value, "s") for t_b in BACKWARDS)])
-    report.tables.append(
-        Table(SECTION, "Step time (x the ideal), 16 x 1M sub-groups", ["system", *header], rows)
-    )
-    _report_overflow(report, measured, default)
-    return figures
-
-
-def _report_overflow(
-    report: Report, measured: dict[str, dict[str, list[float]]], default: str
-) -> None:
-    where = f"1 step in {OVERFLOW_EVERY} overflows, t_b = {OVERFLOW_BACKWARD * 1e3:g} ms"
-    rows = []
-    means: dict[str, Figure] = {}
-    for system in (SEQUENTIAL, SUPEROFFLOAD, default, EXACT):
-        by_metric = measured.get(system, {})
-        if "mean" not in by_metric:
-            continue
-        mean = means[system] = report.add(
-            SECTION, system, f"mean step, {where}", "s", by_metric["mean"]
-        )
-        worst = report.add(
-            SECTION, system, f"overflowed step, {where}", "s", by_metric["overflowed"]
-        )
-        rows.append([system, format_value(mean.value, "s"), format_value(worst.value, "s")])
-    report.ratio(
-        SECTION,
-        f"exact_rollback / algebraic rollback, mean step ({where})",
-        means.get(EXACT),
-        means.get(default),
-    )
-    report.tables.append(
-        Table(SECTION, f"Overflow: {where}", ["system", "mean step", "overflowed step"], rows)
-    )
-
-
-def _report_own(
-    report: Report,
-    figures: dict[tuple[str, str], Figure],
-    own: dict[str, dict[str, list[float]]],
-    t_adam: Figure | None,
-    variants: tuple[str, str],
-) -> None:
-    """Where aoffload's step time goes: the optimizer's own time in the worker, ``c``, and
-    the step against the ideal built from it, ``max(t_b, c) + c / 16``. What is left
-    beyond that ideal is the transport and the scheduling; ``c`` above ``t_adam`` is the
-    optimizer slowed by sharing the cores with the trainer."""
-    rows: list[list[str]] = []
-    for system in variants:
-        if system not in own:
-            continue
-        row = [system]
-        for t_b in BACKWARDS:
-            metric = _metric(t_b)
-            samples = own[system].get(metric)
-            step = figures.get((system, metric))
-            if not samples or step is None:
-                row.append("—")
-                continue
-            compute = report.add(SECTION, f"{system}: {OWN}", metric, "s", samples)
-            ideal = report.add(
-                SECTION,
-                f"{system}: ideal from c, max(t_b, c) + c / 16",
-                metric,
-                "s",
-                [max(t_b, c) + c / SUBGROUPS for c in samples],
-                note="derived from each step's c",
-            )
-            ratio = report.ratio(
-                SECTION, f"{system} / its ideal from c, t_b = {t_b * 1e3:g} ms", step, ideal
-            )
-            slowed = report.ratio(
-                SECTION, f"{system}: c / t_adam, t_b = {t_b * 1e3:g} ms", compute, t_adam
-            )
-            cell = f"c {format_value(compute.value, 's')}"
-            if slowed is not None:
-                cell += f" ({slowed.value:.2f}x t_adam)"
-            if ratio is not None:
-                cell += f", step {ratio.value:.2f}x its ideal"
-            row.append(cell)
-        rows.append(row)
-    header = [f"t_b = {t_b * 1e3:g} ms" for t_b in BACKWARDS]
-    report.tables.append(
-        Table(
-            SECTION,
-            "Where aoffload's step goes: c, the optimizer's own time in the worker, and the "
-            "step against max(t_b, c) + c / 16",
-            ["system", *header],
-            rows,
-        )
-    )
+    figures = report_steps(report, measured, t_adam, (default, alternative))
+    report_own(report, figures, own, t_adam, (default, alternative))
