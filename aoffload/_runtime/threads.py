@@ -41,7 +41,8 @@ def lower_priority() -> None:
     Linux's ``SCHED_IDLE`` policy: any other thread that wakes up, the trainer's event
     loop first, takes the core at once, and the background thread (a staging copy, the
     checkpoint writer) runs on the cycles nobody else wants. Linux keeps the policy per
-    thread, so nothing else in the process changes; elsewhere this does nothing.
+    thread, and threads inherit it from the thread that starts them, so nothing else in
+    the process changes; elsewhere this does nothing.
     Lowering a thread's policy needs no privilege.
     """
     if sys.platform == "linux":
@@ -63,12 +64,10 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
 
     Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the
     interpreter joins at exit, a thread blocked in ``recv()`` here can never hang
-    interpreter shutdown, even if a user forgot ``aclose()``. ``background=True`` runs
-    the thread as background work (:func:`lower_priority`).
+    interpreter shutdown, even if a user forgot ``aclose()``.
     """
 
-    def __init__(self, name: str, *, background: bool = False) -> None:
-        self._background = background
+    def __init__(self, name: str) -> None:
         self._work: queue.SimpleQueue[
             tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
         ] = queue.SimpleQueue()
@@ -95,8 +94,6 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
             self._thread.join()
 
     def _run(self) -> None:
-        if self._background:
-            lower_priority()
         while (item := self._work.get()) is not None:
             future, call = item
             if not future.set_running_or_notify_cancel():

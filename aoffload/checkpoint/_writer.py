@@ -222,7 +222,7 @@ class WriterService(Service):
         self._bounce: mmap.mmap | None = None
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
         lower_priority()  # persisting is background work: the trainer's cores come first
-        self._io_thread = DaemonThreadExecutor("aoffload-writer-io", background=True)
+        self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
         torch.serialization.set_crc32_options(False)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
