@@ -115,8 +115,8 @@ def load_in_worker(call: LoadFile, blobs: list[str]) -> LoadedFile:
     """Load ``call.path`` here and describe the state for :func:`rebuild` in the trainer.
 
     The globals the trainer allowed are allowed here too. The ``/dev/shm`` files made for
-    large values are appended to ``blobs`` as they are created, so that the worker can
-    remove those the trainer never read.
+    large values are added to ``blobs``, so that the worker can remove those the trainer
+    never read (a failed call removes its own at once).
     """
     path = call.path
     with torch.serialization.safe_globals(list(call.safe_globals)):
