@@ -122,6 +122,27 @@ async def test_a_tensor_mutated_during_its_copy_fails_the_staging_naming_its_key
     assert not never_retrieved(caplog)
 
 
+async def test_a_failed_commit_leaves_no_directory_behind_a_write_still_queued(
+    tmp_path: Path, big: dict[str, torch.Tensor]
+) -> None:
+    counter = torch.zeros(1)
+    stop = threading.Event()
+    async with aoffload.CheckpointEngine(tmp_path, max_pending=2) as engine:
+        await engine.save(big, "slow.pt", tag="slow")  # keeps the writer busy a while
+        await engine.save(filled(2.0), "other.pt", tag="torn")  # queued behind it
+        thread = mutate_until(counter, stop)
+        try:
+            engine.stage({"step": counter, **big}, "model.pt", tag="torn")
+            with pytest.raises(aoffload.CheckpointError, match="could not be staged"):
+                await engine.commit("torn")
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join)
+        await engine.commit("slow")  # the writer has now written everything queued
+        assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "latest", "slow"]
+        assert engine.tags() == ["slow"]
+
+
 async def test_readme_pattern_waits_for_room_instead_of_raising(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

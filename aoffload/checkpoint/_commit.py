@@ -135,7 +135,11 @@ async def commit_one(
     latest: bool,
     finish: Callable[[_W], None],
 ) -> CommitResult:
-    """Commit the tag of a single-process engine: wait for its files, publish, retain."""
+    """Commit the tag of a single-process engine: wait for its files, publish, retain.
+
+    A tag that fails is removed before the error is raised, once its writes in flight
+    have ended (a later write would recreate its directory).
+    """
     tag, published = open_tag.tag, False
     try:
         open_tag.raise_failures()
@@ -152,6 +156,10 @@ async def commit_one(
         published = True
         return done
     finally:
+        # A write still in flight would recreate the directory, and reads its slot.
+        pending = [write for write in open_tag.writes.values() if not write.done()]
+        if pending and not published:
+            await asyncio.wait(pending)
         finish(open_tag)
         if not published:
             await run_io(_store.remove_tree, open_tag.tmpdir)
