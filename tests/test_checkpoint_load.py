@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import os
 from pathlib import Path
 
@@ -76,3 +77,27 @@ async def test_a_value_weights_only_refuses_is_a_checkpoint_error(
             aoffload.CheckpointError, match=r"(?s)weights_only=True.*collections\.deque"
         ):
             await aoffload.load_checkpoint(tmp_path, "m.pt")
+
+
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+async def test_a_dropped_state_unmaps_its_file_at_once(tmp_path: Path) -> None:
+    """No reference cycle keeps the file mapped until a garbage collection (which then
+    unmaps it, maybe freeing a deleted file's blocks, on whatever thread collects)."""
+    state = await asyncio.to_thread(big_state)
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(state, "m.pt", tag="t")
+        await engine.commit("t")
+        loaded = await engine.load("m.pt")
+    path = (tmp_path / "t" / "m.pt").resolve()
+    assert _mapped(path)
+    gc.disable()
+    try:
+        del loaded
+        assert not _mapped(path)
+    finally:
+        gc.enable()

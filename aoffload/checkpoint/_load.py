@@ -161,27 +161,38 @@ def _read_blob(path: str, nbytes: int) -> bytes:
         os.close(fd)
 
 
+class _Rebuilder(pickle.Unpickler):
+    """Unpickles a worker's skeleton: tensors map ``whole``, large ``bytes`` are read in.
+
+    A module-level class: one defined per call is a reference cycle that would keep the
+    file mapped until the garbage collector ran, and unmapping it then (the file maybe
+    deleted, its blocks freed by that very unmap) stalls whatever thread collects.
+    """
+
+    def __init__(self, skeleton: bytes, whole: torch.UntypedStorage) -> None:
+        super().__init__(io.BytesIO(skeleton))
+        self._whole = whole
+        self._storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "bytes":
+            return _read_blob(pid[1], pid[2])
+        _, at, nbytes, dtype, shape, stride, offset, requires_grad, parameter = pid
+        storage = self._storages.get((at, nbytes))
+        if storage is None:
+            storage = self._storages[at, nbytes] = self._whole[at : at + nbytes]
+        tensor = torch.empty((0,), dtype=dtype).set_(storage, offset, shape, stride)
+        if parameter:
+            return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        return tensor.requires_grad_() if requires_grad else tensor
+
+
 def rebuild(path: Path, loaded: LoadedFile) -> Any:
     """The state a worker loaded from ``path``: tensors map the file, as ``mmap=True`` does."""
     try:
         size = os.path.getsize(path)
         whole = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
-
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                if pid[0] == "bytes":
-                    return _read_blob(pid[1], pid[2])
-                _, at, nbytes, dtype, shape, stride, offset, requires_grad, parameter = pid
-                storage = storages.get((at, nbytes))
-                if storage is None:
-                    storage = storages[at, nbytes] = whole[at : at + nbytes]
-                tensor = torch.empty((0,), dtype=dtype).set_(storage, offset, shape, stride)
-                if parameter:
-                    return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-                return tensor.requires_grad_() if requires_grad else tensor
-
-        return _Unpickler(io.BytesIO(loaded.skeleton)).load()
+        return _Rebuilder(loaded.skeleton, whole).load()
     finally:
         _unlink(loaded.blobs)
 
