@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -192,7 +192,7 @@ def rebuild(path: Path, loaded: LoadedFile) -> Any:
     try:
         size = os.path.getsize(path)
         whole = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-        return _Rebuilder(loaded.skeleton, whole).load()
+        return _Rebuilder(loaded.skeleton, cast(torch.UntypedStorage, whole)).load()
     finally:
         _unlink(loaded.blobs)
 
