@@ -113,7 +113,7 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
     """Measure the loop's lag during each checkpoint phase, on asyncio's loop and uvloop."""
     from .._runtime.loops import loop_factory
 
-    reps = 3
+    reps = 1 if quick else 3  # --quick: one engine per loop, its figures labelled as such
     tensors = 16
     numel = int(size_gib * 2**30) // 4 // tensors
     state = {f"layer{i}": torch.randn(numel) for i in range(tensors)}
@@ -140,7 +140,7 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
     report.notes.append(
         f"loop lag: a 1 ms ticker beside each phase, read on time.perf_counter, {size_gib:g} "
         f"GiB of fp32 tensors ({tensors} tensors) or one 64 MB bytes value, {reps} fresh "
-        "engines per loop; the idle row is the ticker with nothing else running (uvloop's "
+        "engine(s) per loop; the idle row is the ticker with nothing else running (uvloop's "
         "timers fire on whole milliseconds); the control rows are the 64 MB file loaded by "
         "plain torch.load, and as much new shared memory as the state filled, in a separate "
         "background process while this loop only ticks (what the VM costs a loop when "
