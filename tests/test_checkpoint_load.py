@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import os
 from pathlib import Path
@@ -101,3 +102,27 @@ async def test_a_dropped_state_unmaps_its_file_at_once(tmp_path: Path) -> None:
         assert not _mapped(path)
     finally:
         gc.enable()
+
+
+async def test_a_load_cancelled_while_the_writer_answers_leaves_no_shared_memory(
+    tmp_path: Path,
+) -> None:
+    state = await asyncio.to_thread(big_state)
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(state, "m.pt", tag="t")
+        await engine.commit("t")
+        assert engine.pid is not None
+        prefix = f"aoffload-load-{engine.pid}-"
+
+        def blobs() -> list[str]:
+            return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+        load = asyncio.create_task(engine.load("m.pt"))
+        # Another process makes the file: nothing to await but its appearance.
+        while not blobs() and not load.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+        assert_same(await engine.load("m.pt"), state)  # its reply comes after the first one's
+        assert blobs() == []

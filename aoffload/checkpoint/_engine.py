@@ -12,6 +12,7 @@ background, owned by the engine. See :mod:`._store` for the on-disk protocol.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from pathlib import Path
@@ -289,10 +290,11 @@ class CheckpointEngine(AsyncResource):
         """
         self.check_running()
         return await _load.load(
-            self._directory, name, tag, map_location, verify, self._executor(), self._load_remote
+            self._directory,
+            name,
+            tag,
+            map_location,
+            verify,
+            self._executor(),
+            functools.partial(_load.in_writer, self._bridge),
         )
-
-    async def _load_remote(self, call: _load.LoadFile, finish: _load.Finish) -> Any:
-        if self._bridge is None:  # a replica has no writer
-            return await _load.temporary_loader(call, finish)
-        return await finish(await self._bridge.request(call))

@@ -37,7 +37,15 @@ from .._runtime.protocol import Call
 from .._runtime.threads import DaemonThreadExecutor
 from . import _store
 
-__all__ = ["LoadFile", "LoadedFile", "load", "load_checkpoint", "load_in_worker", "rebuild"]
+__all__ = [
+    "LoadFile",
+    "LoadedFile",
+    "in_writer",
+    "load",
+    "load_checkpoint",
+    "load_in_worker",
+    "rebuild",
+]
 
 REMOTE_PICKLE = 8 << 20
 """Bytes of ``data.pkl`` from which a file is loaded by a worker."""
@@ -144,6 +152,12 @@ def _unlink(paths: list[str] | tuple[str, ...]) -> None:
             continue
 
 
+def _discard(reply: asyncio.Future[LoadedFile]) -> None:
+    """Remove the ``/dev/shm`` files of a worker's reply that nobody will read."""
+    if not reply.cancelled() and reply.exception() is None:
+        _unlink(reply.result().blobs)
+
+
 def _read_blob(path: str, nbytes: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -247,6 +261,19 @@ async def temporary_loader(call: LoadFile, finish: Finish) -> Any:
 
     async with Bridge(TARGET, WriterConfig(durable=False), name="checkpoint-loader") as bridge:
         return await finish(await bridge.request(call))
+
+
+async def in_writer(bridge: Bridge | None, call: LoadFile, finish: Finish) -> Any:
+    """Run ``call`` in an engine's writer (in a loader started for it if it has none)."""
+    if bridge is None:  # a replica has no writer
+        return await temporary_loader(call, finish)
+    reply = bridge.call(call)
+    try:
+        loaded = await asyncio.shield(reply)
+    except asyncio.CancelledError:
+        reply.add_done_callback(_discard)  # its /dev/shm files are nobody's now
+        raise
+    return await finish(loaded)
 
 
 async def load(
