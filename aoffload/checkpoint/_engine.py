@@ -289,12 +289,5 @@ class CheckpointEngine(AsyncResource):
         mismatch), loaded with ``weights_only=True`` off the event loop.
         """
         self.check_running()
-        return await _load.load(
-            self._directory,
-            name,
-            tag,
-            map_location,
-            verify,
-            self._executor(),
-            functools.partial(_load.in_writer, self._bridge),
-        )
+        remote, executor = functools.partial(_load.in_writer, self._bridge), self._executor()
+        return await _load.load(self._directory, name, tag, map_location, verify, executor, remote)
