@@ -26,7 +26,7 @@ from .._runtime.threads import DaemonThreadExecutor
 from . import _store
 from ._writer import FileRecord, SyncTree
 
-__all__ = ["Catalog", "CommitResult", "Writes", "commit_one", "write_out"]
+__all__ = ["Catalog", "CommitResult", "Writes", "commit_one", "discard", "write_out"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,7 @@ async def commit_one(
 ) -> CommitResult:
     """Commit the tag of a single-process engine: wait for its files, publish, retain.
 
-    A tag that fails is removed before the error is raised, once its writes in flight
-    have ended (a later write would recreate its directory).
+    A tag that fails is removed (:func:`discard`) before the error is raised.
     """
     tag, published = open_tag.tag, False
     try:
@@ -156,13 +155,20 @@ async def commit_one(
         published = True
         return done
     finally:
-        # A write still in flight would recreate the directory, and reads its slot.
-        pending = [write for write in open_tag.writes.values() if not write.done()]
-        if pending and not published:
-            await asyncio.wait(pending)
-        finish(open_tag)
-        if not published:
-            await run_io(_store.remove_tree, open_tag.tmpdir)
+        try:
+            if not published:
+                await discard(open_tag, run_io)
+        finally:
+            finish(open_tag)
+
+
+async def discard(open_tag: Writes, run_io: RunIO, *also: asyncio.Future[Any]) -> None:
+    """Remove the directory of a tag that failed, once its writes in flight (and ``also``)
+    have ended: a write that ends later would recreate it, and reads its staging slot."""
+    pending = [future for future in (*also, *open_tag.writes.values()) if not future.done()]
+    if pending:
+        await asyncio.wait(pending)
+    await run_io(_store.remove_tree, open_tag.tmpdir)
 
 
 class Catalog:

@@ -40,7 +40,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -48,7 +48,7 @@ from .._errors import CheckpointError, WorkerDiedError
 from .._runtime.bridge import Bridge
 from .._runtime.threads import mark_retrieved
 from . import _store
-from ._commit import Catalog, CommitResult, RunIO, Writes, committed, write_out
+from ._commit import Catalog, CommitResult, RunIO, Writes, committed, discard, write_out
 from ._keys import Keys as _Keys
 from ._keys import first_line as _first_line
 from ._keys import merge_reports
@@ -138,9 +138,7 @@ class Ranks:
     ) -> None:
         """Once this rank's writes of a failed tag have ended, remove its directory."""
         try:
-            pending: list[asyncio.Future[Any]] = [own, *open_tag.writes.values()]
-            await asyncio.wait(pending)
-            await run_io(_store.remove_tree, open_tag.tmpdir)
+            await discard(open_tag, run_io, own)
         finally:
             finish(open_tag)
 

@@ -23,7 +23,7 @@ import itertools
 import os
 import pickle
 import zipfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ __all__ = [
     "load_checkpoint",
     "load_in_worker",
     "rebuild",
+    "unlink_all",
 ]
 
 REMOTE_PICKLE = 8 << 20
@@ -69,6 +70,15 @@ class LoadFile(Call[LoadedFile]):
 
     path: str
     safe_globals: tuple[Any, ...] = ()
+
+
+def unlink_all(paths: Iterable[str]) -> None:
+    """Remove the files ``paths`` (``/dev/shm`` blobs); those already gone are skipped."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
 
 
 # -- the worker's side ------------------------------------------------------------------
@@ -134,7 +144,7 @@ def load_in_worker(call: LoadFile, blobs: list[str]) -> LoadedFile:
         buffer = io.BytesIO()
         _Skeleton(buffer, path, made).dump(state)
     except BaseException:
-        _unlink(made)
+        unlink_all(made)
         raise
     finally:
         blobs += made
@@ -144,18 +154,10 @@ def load_in_worker(call: LoadFile, blobs: list[str]) -> LoadedFile:
 # -- the trainer's side -----------------------------------------------------------------
 
 
-def _unlink(paths: list[str] | tuple[str, ...]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-
-
 def _discard(reply: asyncio.Future[LoadedFile]) -> None:
     """Remove the ``/dev/shm`` files of a worker's reply that nobody will read."""
     if not reply.cancelled() and reply.exception() is None:
-        _unlink(reply.result().blobs)
+        unlink_all(reply.result().blobs)
 
 
 def _read_blob(path: str, nbytes: int) -> bytes:
@@ -208,7 +210,7 @@ def rebuild(path: Path, loaded: LoadedFile) -> Any:
         whole = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
         return _Rebuilder(loaded.skeleton, cast(torch.UntypedStorage, whole)).load()
     finally:
-        _unlink(loaded.blobs)
+        unlink_all(loaded.blobs)
 
 
 def _pickle_bytes(path: Path) -> int:

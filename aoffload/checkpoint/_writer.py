@@ -31,7 +31,7 @@ import xxhash
 from .._runtime.protocol import Call
 from .._runtime.serve import Handler, Service, target
 from .._runtime.threads import DaemonThreadExecutor, lower_priority
-from ._load import LoadedFile, LoadFile, load_in_worker
+from ._load import LoadedFile, LoadFile, load_in_worker, unlink_all
 
 __all__ = [
     "TARGET",
@@ -308,9 +308,7 @@ class WriterService(Service):
 
     def close(self) -> None:
         """Unmap every staging segment; remove what loads left that the trainer never read."""
-        for blob in self._blobs:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(blob)
+        unlink_all(self._blobs)
         while self._segments:
             _, (mapping, array) = self._segments.popitem()
             del array
