@@ -34,10 +34,8 @@ from typing import Any
 
 import pytest
 
-from ._runtime.bridge import Bridge
 from ._runtime.census import child_pids, is_resource_tracker, staging_segments
-from ._runtime.resource import AsyncResource
-from ._runtime.threads import Portal
+from ._runtime.core import WorkerCore
 from .checkpoint import CheckpointEngine
 from .optimizer import CPUAdam
 
@@ -121,29 +119,21 @@ def no_leaked_workers(what: str) -> Iterator[None]:
 # -- killing a worker ----------------------------------------------------------------------
 
 
-def _members(obj: object) -> Iterator[object]:
-    for value in getattr(obj, "__dict__", {}).values():
-        yield value
-        if isinstance(value, dict):
-            yield from value.values()
-
-
-def _worker_of(obj: object, pid: int) -> tuple[Bridge, Portal | None]:
-    """The bridge that runs worker ``pid`` of ``obj``, and the portal whose loop it lives on."""
-    if isinstance(obj, Bridge):
-        return obj, None
-    bridge = getattr(obj, "_bridge", None)
-    if isinstance(bridge, Bridge):
-        return bridge, None
-    portal = getattr(obj, "_portal", None)  # the synchronous DeepSpeed adapters
-    if isinstance(portal, Portal):
-        for inner in _members(obj):
-            if isinstance(inner, AsyncResource) and getattr(inner, "pid", None) == pid:
-                return _worker_of(inner, pid)[0], portal
-    raise TypeError(
-        f"kill_worker() does not know how {type(obj).__name__} talks to its worker; "
-        "pass a CheckpointEngine, a CPUAdam or an aoffload.deepspeed adapter"
-    )
+def _core_of(obj: object, pid: int, depth: int = 4) -> WorkerCore | None:
+    """The core running worker ``pid`` among ``obj`` and what it holds (a few levels down)."""
+    if isinstance(obj, WorkerCore):
+        return obj if obj.pid == pid else None
+    if depth == 0 or isinstance(obj, (str, bytes, int, float)) or obj is None:
+        return None
+    values: list[object] = list(getattr(obj, "__dict__", {}).values())
+    values += [getattr(obj, slot, None) for slot in getattr(type(obj), "__slots__", ())]
+    if isinstance(obj, dict):
+        values += list(obj.values())
+    for value in values:
+        found = _core_of(value, pid, depth - 1)
+        if found is not None:
+            return found
+    return None
 
 
 async def kill_worker(obj: object) -> None:
@@ -158,12 +148,14 @@ async def kill_worker(obj: object) -> None:
     pid = getattr(obj, "pid", None)
     if not isinstance(pid, int):
         raise ValueError(f"{type(obj).__name__} has no running worker to kill (pid {pid!r})")
-    bridge, portal = _worker_of(obj, pid)
+    core = _core_of(obj, pid)
+    if core is None:
+        raise TypeError(
+            f"kill_worker() does not know how {type(obj).__name__} talks to its worker; "
+            "pass a CheckpointEngine, a CPUAdam or an aoffload.deepspeed adapter"
+        )
     os.kill(pid, signal.SIGKILL)
-    if portal is None:
-        await bridge.wait_exited()
-    else:
-        await asyncio.wrap_future(portal.submit(bridge.wait_exited()))
+    await asyncio.wrap_future(core.exited)
 
 
 # -- fixtures ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "Call",
@@ -62,14 +62,9 @@ class Wire:
 
 
 class Call(Wire, Generic[R]):
-    """A request whose reply is an ``R``; subclass it as a frozen dataclass.
-
-    ``large = True`` on a subclass says its instances may be big: the bridge then
-    pickles and writes them on the worker's sender thread instead of the event loop.
-    """
+    """A request whose reply is an ``R``; subclass it as a frozen dataclass."""
 
     __slots__ = ()
-    large: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,52 +1,60 @@
-"""Threads the library owns: per-worker executors, and the portal of the sync adapters.
+"""Threads the library owns, and the few primitives every face of the library shares.
 
-:class:`DaemonThreadExecutor` runs calls in order on one daemon thread (each worker has
-its own, and so do the checkpoint engine's I/O and copy work). :func:`mark_retrieved`
-is the one place that marks a future's exception as seen.
-
-A portal is a private event loop on a daemon thread, for synchronous callers of the async objects.
-
-DeepSpeed calls its checkpoint engine and its SuperOffload optimizer from plain synchronous
-code. :class:`Portal` owns one event loop running on its own thread; the sync methods of the
-adapters submit coroutines to it with :func:`asyncio.run_coroutine_threadsafe` and either wait
-for the result (:meth:`Portal.call`) or keep the :class:`concurrent.futures.Future`
-(:meth:`Portal.submit`). Exceptions come back unchanged in the caller's thread.
+- :class:`DaemonThreadExecutor` runs calls in order on one daemon thread (the checkpoint
+  engine's stage, commit and load work; the writer's I/O);
+- :func:`running_future` makes a :class:`concurrent.futures.Future` that nobody can cancel,
+  so that an ``asyncio.wrap_future`` of it, cancelled, abandons the wait only;
+- :func:`run_in_thread` runs one blocking call on a fresh daemon thread for a coroutine
+  (the bounded blocking steps of a start or a close), never on the loop's default executor;
+- :class:`LoopInbox` hands results produced on any thread to one event loop, waking it once
+  for a burst;
+- :func:`background_policy` makes the calling thread background work that still gets its
+  fair share of a loaded host;
+- :func:`mark_retrieved` marks a future's exception as seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._errors import ClosedError
-from .loops import new_event_loop
-
-__all__ = ["DaemonThreadExecutor", "Portal", "lower_priority", "mark_retrieved"]
+__all__ = [
+    "DaemonThreadExecutor",
+    "LoopInbox",
+    "background_policy",
+    "mark_retrieved",
+    "run_in_thread",
+    "running_future",
+]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-def lower_priority() -> None:
-    """Run the calling thread (and threads it starts later) as background work.
+def background_policy() -> None:
+    """Run the calling thread (and the threads it starts later) as background work.
 
-    Linux's ``SCHED_IDLE`` policy: any other thread that wakes up, the trainer's event
-    loop first, takes the core at once, and the background thread (a staging copy, the
-    checkpoint writer) runs on the cycles nobody else wants. Linux keeps the policy per
-    thread, and threads inherit it from the thread that starts them, so nothing else in
-    the process changes; elsewhere this does nothing.
-    Lowering a thread's policy needs no privilege.
+    Linux's ``SCHED_BATCH``: the thread keeps the full weight of an ordinary thread, so on
+    a host whose cores a data loader keeps busy it still gets its fair share (a trainer
+    waiting for it at a fence or a commit is never starved, as it was under
+    ``SCHED_IDLE``); but it never preempts anyone when it wakes up, while the trainer's
+    threads, the event loop first, preempt it when they do. Linux keeps the policy per
+    thread and a thread inherits it from the thread that starts it. Elsewhere, nothing.
     """
     if sys.platform == "linux":
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
+        except OSError:  # a sandbox that filters the call: the default policy is fine
+            logger.debug("could not set SCHED_BATCH on %s", threading.current_thread().name)
 
 
 def mark_retrieved(future: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
@@ -59,126 +67,132 @@ def mark_retrieved(future: asyncio.Future[Any] | concurrent.futures.Future[Any])
         future.exception()
 
 
+def running_future() -> concurrent.futures.Future[Any]:
+    """A :class:`concurrent.futures.Future` already marked running: ``cancel()`` is a no-op.
+
+    ``asyncio.wrap_future`` cancels its source when the awaiting task is cancelled; the
+    library's futures stand for work that goes on regardless (a copy, a commit), so a
+    cancelled await must abandon the wait only.
+    """
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
 class DaemonThreadExecutor(concurrent.futures.Executor):
     """A single daemon thread running submitted calls in order.
 
     Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the
-    interpreter joins at exit, a thread blocked in ``recv()`` here can never hang
-    interpreter shutdown, even if a user forgot ``aclose()``.
+    interpreter joins at exit, a thread blocked here can never hang interpreter
+    shutdown, even if a user forgot ``aclose()``. The futures it returns are already
+    running (see :func:`running_future`): cancelling a wrapped await abandons the wait.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, setup: Callable[[], None] | None = None) -> None:
+        self.name = name
         self._work: queue.SimpleQueue[
             tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
         ] = queue.SimpleQueue()
         self._shutdown = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, args=(setup,), name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The executor's thread."""
+        return self._thread
 
     def submit(
         self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any
     ) -> concurrent.futures.Future[_T]:
         """Queue ``fn(*args, **kwargs)`` behind the calls already submitted."""
-        if self._shutdown:
-            raise RuntimeError("cannot schedule new work after shutdown")
-        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        self._work.put((future, lambda: fn(*args, **kwargs)))
+        future: concurrent.futures.Future[_T] = running_future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError(f"{self.name}: cannot schedule new work after shutdown")
+            self._work.put((future, lambda: fn(*args, **kwargs)))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop after the calls already queued; ``wait`` joins the thread."""
-        if not self._shutdown:
-            self._shutdown = True
-            self._work.put(None)
+        with self._lock:
+            if not self._shutdown:
+                self._shutdown = True
+                self._work.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _run(self) -> None:
+    def _run(self, setup: Callable[[], None] | None) -> None:
+        if setup is not None:
+            setup()
         while (item := self._work.get()) is not None:
             future, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
                 future.set_result(call())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
                 future.set_exception(exc)
 
 
-class Portal:
-    """An event loop running forever on a daemon thread until :meth:`close`."""
+async def run_in_thread(fn: Callable[..., _T], *args: Any, name: str) -> _T:
+    """``await`` ``fn(*args)`` run on a fresh daemon thread (for bounded blocking steps).
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._loop = new_event_loop()
-        self._closed = False
-        self._lock = threading.Lock()
-        started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(started,), name=f"aoffload-portal-{name}", daemon=True
+    Cancelling the await abandons the wait; the call runs to its end on its thread.
+    """
+    future: concurrent.futures.Future[_T] = running_future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await asyncio.wrap_future(future)
+
+
+class LoopInbox:
+    """Runs callbacks posted from any thread on one event loop, one wake-up per burst.
+
+    :meth:`post` appends to a queue and wakes the loop only when the queue was empty, so a
+    reader thread delivering fifty replies costs the loop one ``call_soon_threadsafe``.
+    Posting after the loop was closed drops the callback (nobody is left to run it).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[tuple[Callable[..., object], tuple[Any, ...]]] = (
+            collections.deque()
         )
-        self._thread.start()
-        started.wait()
+        self._lock = threading.Lock()
+        self._scheduled = False
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The portal's event loop (use it only from coroutines running on it)."""
-        return self._loop
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(started.set)
-        try:
-            self._loop.run_forever()
-        finally:
-            try:
-                tasks = asyncio.all_tasks(self._loop)
-                for task in tasks:
-                    task.cancel()
-                if tasks:
-                    self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            finally:
-                asyncio.set_event_loop(None)
-                self._loop.close()
-
-    def _check(self) -> None:
-        if self._closed:
-            raise ClosedError(f"the {self.name} portal is closed")
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(f"a blocking call into the {self.name} portal from its own loop")
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        """Schedule ``coro`` on the portal's loop and return its future at once."""
-        try:
-            self._check()
-        except BaseException:
-            coro.close()
-            raise
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` on the portal's loop and wait for it; its exception is re-raised here."""
-        future = self.submit(coro)
-        try:
-            return future.result()
-        except BaseException:
-            # KeyboardInterrupt in the waiting thread: abandon the coroutine, not the portal.
-            future.cancel()
-            raise
-
-    def call_soon(self, callback: Callable[[], object]) -> None:
-        """Run ``callback`` on the portal's loop without waiting for it."""
-        self._check()
-        self._loop.call_soon_threadsafe(callback)
-
-    def close(self) -> None:
-        """Stop the loop (cancelling what still runs on it) and join the thread; idempotent."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(f"the {self.name} portal cannot be closed from its own loop")
+    def post(self, callback: Callable[..., object], *args: Any) -> None:
+        """Run ``callback(*args)`` on the loop, soon (from any thread, the loop's too)."""
         with self._lock:
-            if self._closed:
+            self._items.append((callback, args))
+            if self._scheduled:
                 return
-            self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        logger.debug("the %s portal is closed", self.name)
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def flush(self) -> None:
+        """Run what was posted so far, now (on the loop's thread only)."""
+        self._run()
+
+    def _run(self) -> None:
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._scheduled = False
+        for callback, args in items:
+            try:
+                callback(*args)
+            except Exception as exc:  # noqa: BLE001 - reported as asyncio reports a callback's
+                self.loop.call_exception_handler(
+                    {"message": f"exception in {callback!r}", "exception": exc}
+                )

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError, ClosedError
-from .._runtime.threads import lower_priority
+from .._runtime.threads import background_policy
 from ._plan import Plan, key_of, version_of
 from ._staging import Region
 
@@ -211,6 +211,6 @@ class CopyPool:
             thread.join()
 
     def _run(self) -> None:
-        lower_priority()  # the copy takes idle cycles; the loop and the step come first
+        background_policy()  # the copy takes idle cycles; the loop and the step come first
         while (work := self._work.get()) is not None:
             work()

@@ -30,7 +30,7 @@ import xxhash
 
 from .._runtime.protocol import Call
 from .._runtime.serve import Handler, Service, target
-from .._runtime.threads import DaemonThreadExecutor, lower_priority
+from .._runtime.threads import DaemonThreadExecutor, background_policy
 from ._load import LoadedFile, LoadFile, load_in_worker, unlink_all
 
 __all__ = [
@@ -221,7 +221,7 @@ class WriterService(Service):
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
-        lower_priority()  # persisting is background work: the trainer's cores come first
+        background_policy()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
         torch.serialization.set_crc32_options(False)
 

@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from aoffload._runtime.protocol import Call
 from aoffload._runtime.serve import Handler, target
@@ -39,9 +39,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EchoLarge(Call[object]):
-    """:class:`Echo`, sent as a ``large`` call (pickled and written on the sender thread)."""
+    """:class:`Echo` under another name, for the tests of large requests."""
 
-    large: ClassVar[bool] = True
     value: object = None
 
 
