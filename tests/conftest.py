@@ -1,10 +1,16 @@
 """Shared test set-up: every async test runs on asyncio's loop and on uvloop, in debug mode,
-and fails if the library blocks the event loop for longer than ``SLOW_CALLBACK_SECONDS``."""
+and fails if the library blocks the event loop for longer than ``SLOW_CALLBACK_SECONDS``.
+
+The guard also watches the loops a synchronous test starts itself (``asyncio.run``,
+``aoffload.run``). A test that blocks the loop on purpose (a synchronous training step
+between ``stage()`` and its fence) is marked ``blocks_loop``: the guard leaves it alone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -52,17 +58,38 @@ def _frozen_heap() -> None:
     gc.freeze()
 
 
+def _guarded(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
+    def new_loop() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        loop.set_debug(True)
+        loop.slow_callback_duration = SLOW_CALLBACK_SECONDS
+        return loop
+
+    return new_loop
+
+
 @pytest.fixture(autouse=True)
-def loop_block_guard() -> Iterator[LoopBlockGuard]:
+def loop_block_guard(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LoopBlockGuard]:
     """Fails the test if any callback or task step blocked the event loop too long."""
     guard = LoopBlockGuard()
     asyncio_logger = logging.getLogger("asyncio")
     asyncio_logger.addHandler(guard)
+    # The loops a synchronous test makes itself: asyncio.run and aoffload.run.
+    monkeypatch.setattr(asyncio.events, "new_event_loop", _guarded(asyncio.events.new_event_loop))
+    monkeypatch.setattr(asyncio, "new_event_loop", _guarded(asyncio.new_event_loop))
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        monkeypatch.setattr(uvloop, "new_event_loop", _guarded(uvloop.new_event_loop))
     try:
         yield guard
     finally:
         asyncio_logger.removeHandler(guard)
-    if guard.slow:
+    if guard.slow and request.node.get_closest_marker("blocks_loop") is None:
         pytest.fail(
             f"the event loop was blocked for more than {SLOW_CALLBACK_SECONDS * 1000:.0f} ms:\n"
             + "\n".join(guard.slow),

@@ -239,11 +239,11 @@ async def test_backpressure_waits_for_the_oldest_pending_checkpoint(tmp_path: Pa
         await engine.save({"w": torch.randn(512, 1024)}, "m.pt", tag="a")
         with pytest.raises(aoffload.CheckpointError, match="max_pending"):
             await engine.save({"w": torch.ones(1)}, "m.pt", tag="b")  # would wait forever
-        commit_a = asyncio.create_task(engine.commit("a"))
-        await asyncio.sleep(0)
+        commit_a = asyncio.create_task(engine.commit("a"))  # the commit starts at the call
         await engine.save({"w": torch.ones(1)}, "m.pt", tag="b")
-        assert commit_a.done()
+        assert engine.tags() == ["a"]  # b took the slot a's commit freed
         assert (tmp_path / "a" / MANIFEST).exists()
+        assert (await commit_a).tag == "a"
         await engine.commit("b")
 
 

@@ -3,7 +3,6 @@ stream, off the event loop. Runs only where a CUDA device is present; never fake
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -93,17 +92,10 @@ async def test_a_cuda_tensor_mutated_before_the_fence_fails_naming_its_key(tmp_p
     big = torch.zeros(8192, 8192, device="cuda")
     async with aoffload.CheckpointEngine(tmp_path) as engine:
         staged = engine.stage({"model": {"big": big}}, "big.pt", tag="t")
-        await asyncio.sleep(0)  # the planner may or may not have read the version yet
-        for _ in range(50):
+        for _ in range(50):  # queued after stage() recorded the version: always seen
             big.add_(1.0)
-            await asyncio.sleep(0.001)
-        failure: BaseException | None = None
-        try:
+        with pytest.raises(aoffload.CheckpointError, match=r"state\['model'\]\['big'\]"):
             await staged
-        except aoffload.CheckpointError as exc:
-            failure = exc
-        if failure is not None:
-            assert "state['model']['big']" in str(failure)
-        else:  # the copy ended before the first add_: a consistent snapshot of zeros
+        with pytest.raises(aoffload.CheckpointError, match=r"nothing was saved|discarded"):
             await engine.commit("t")
-            assert bool(torch.all((await engine.load("big.pt"))["big"] == 0.0))
+        assert engine.latest() is None

@@ -43,18 +43,22 @@ def big_state() -> dict[str, object]:
 
 async def test_large_non_tensor_values_load_exactly_and_leave_nothing(tmp_path: Path) -> None:
     state = await asyncio.to_thread(big_state)  # (starts the loop's default executor)
+    # The oracle is plain torch: the same state through torch.save and torch.load.
+    plain = tmp_path / "plain.pt"
+    await asyncio.to_thread(torch.save, state, plain)
+    expected = await asyncio.to_thread(torch.load, plain, weights_only=True)
     before = Snapshot.take()
-    async with aoffload.CheckpointEngine(tmp_path) as engine:
+    async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
         await engine.save(state, "m.pt", tag="t")
         await engine.commit("t")
-        path = tmp_path / "t" / "m.pt"
+        path = tmp_path / "ckpt" / "t" / "m.pt"
         assert _load._pickle_bytes(path) >= _load.REMOTE_PICKLE
-        expected = await asyncio.to_thread(torch.load, path, weights_only=True)
         loaded = await engine.load("m.pt")
     assert_same(loaded, expected)
+    assert_same(loaded, state)
     assert loaded["trained"].requires_grad
     assert not loaded["weights"].requires_grad
-    assert_same(await aoffload.load_checkpoint(tmp_path, "m.pt"), expected)
+    assert_same(await aoffload.load_checkpoint(tmp_path / "ckpt", "m.pt"), expected)
     assert not Snapshot.take().leaked_since(before)  # no /dev/shm file, no loader process
 
 
@@ -121,8 +125,10 @@ async def test_a_load_cancelled_while_the_writer_answers_leaves_no_shared_memory
         # Another process makes the file: nothing to await but its appearance.
         while not blobs() and not load.done():  # noqa: ASYNC110
             await asyncio.sleep(0.001)
+        assert blobs(), "the load ended before the writer made its /dev/shm file"
         load.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await load
+        assert load.cancelled()
         assert_same(await engine.load("m.pt"), state)  # its reply comes after the first one's
         assert blobs() == []

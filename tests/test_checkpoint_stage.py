@@ -11,8 +11,10 @@ import gc
 import inspect
 import logging
 import os
+import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,6 @@ async def test_stage_returns_at_once_and_the_fence_ends_the_copy(tmp_path: Path)
         assert not inspect.iscoroutinefunction(engine.stage)
         staged = engine.stage(state, "model.pt", tag="a")
         assert isinstance(staged, aoffload.Staged)
-        assert not staged.done()  # nothing has run yet: the loop has not been yielded to
         assert await staged is None
         assert staged.done()
         for tensor in state["model"].values():  # type: ignore[union-attr]
@@ -194,21 +195,111 @@ async def test_a_failed_background_commit_is_raised_by_aclose(
     assert not never_retrieved(caplog)
 
 
-async def test_the_loop_runs_while_the_copy_does(
+def block_until(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
+    """A synchronous training step: the loop thread is busy (never yields) until ``condition``
+    holds, or ``seconds`` pass; whether it held."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.mark.blocks_loop
+async def test_a_step_that_blocks_the_loop_finds_the_copy_done(
     tmp_path: Path, big: dict[str, torch.Tensor]
 ) -> None:
-    state = big
-    ticks_during_copy = 0
     async with aoffload.CheckpointEngine(tmp_path) as engine:
-        await engine.save(state, "m.pt", tag="warm")  # fills the staging memory once
-        await engine.commit("warm")
-        staged = engine.stage(state, "m.pt", tag="t")
-        while not staged.done():
-            await asyncio.sleep(0.001)  # a tick of the loop: what a trainer's loop would run
-            ticks_during_copy += 1
-        await staged
+        staged = engine.stage(big, "m.pt", tag="t")
+        # The loop thread is busy in a synchronous step; the copy runs on aoffload's threads.
+        assert block_until(staged.done)
+        await staged  # returns without waiting
+        for tensor in big.values():
+            assert tensor._version == 0  # nothing here modified them (the fence would say so)
         await engine.commit("t")
-    assert ticks_during_copy >= 1
+        assert_same(await engine.load("m.pt"), big)
+
+
+@pytest.mark.blocks_loop
+async def test_commit_soon_publishes_latest_while_the_loop_is_blocked(tmp_path: Path) -> None:
+    async with aoffload.CheckpointEngine(tmp_path, keep_last=1) as engine:
+        await engine.save(filled(1.0, 4), "m.pt", tag="a")
+        engine.commit_soon("a")
+        await engine.save(filled(2.0, 4), "m.pt", tag="b")  # waits for room: a's commit ends
+        engine.commit_soon("b")
+
+        def published() -> bool:
+            latest = tmp_path / "latest"
+            return latest.exists() and latest.read_text() == "b\n"
+
+        # Durable, manifest, tag, `latest` and retention, all while the loop never turns.
+        assert block_until(published)
+        assert block_until(lambda: not (tmp_path / "a").exists())
+        assert (tmp_path / "b" / ".aoffload-manifest.json").exists()
+        assert engine.latest() == "b"
+        assert_same(await engine.load("m.pt"), filled(2.0, 4))
+
+
+@pytest.mark.blocks_loop
+async def test_a_mutation_before_the_loop_turns_is_caught(
+    tmp_path: Path, big: dict[str, torch.Tensor]
+) -> None:
+    counter = torch.zeros(1)
+    state = {"model": big, "opt": {"step": counter}}
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        await engine.save(filled(1.0), "m.pt", tag="good")
+        await engine.commit("good")
+        staged = engine.stage(state, "model.pt", tag="torn")
+        counter.add_(1.0)  # no await in between: the loop has not turned since stage()
+        with pytest.raises(aoffload.CheckpointError, match=r"state\['opt'\]\['step'\]"):
+            await staged
+        # Caught when its copy ended (nothing was written) or at the fence (the tag is
+        # discarded): either way nothing of the tag is published.
+        with pytest.raises(aoffload.CheckpointError, match=r"nothing was saved|discarded"):
+            await engine.commit("torn")
+        assert engine.latest() == "good"
+        assert engine.tags() == ["good"]
+        await engine.save(state, "model.pt", tag="next")  # the engine goes on
+        await engine.commit("next")
+    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "good", "latest", "next"]
+
+
+@pytest.mark.blocks_loop
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_mutation_at_any_point_is_caught_or_not_written(tmp_path: Path, seed: int) -> None:
+    """Before the loop turns, during the copy (the loop blocked in a step), after the
+    fence: the file holds the values as of stage(), or the staging fails naming the key,
+    never the modified values silently."""
+    rng = random.Random(seed)
+    weights = torch.zeros(4 << 20)  # 16 MiB: its copy takes a few ms
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        for step in range(4):
+            tag, when = f"s{step}", rng.choice(["at once", "during", "after the fence"])
+            staged = engine.stage({"w": weights}, "m.pt", tag=tag)
+            if when == "at once":
+                weights.add_(1.0)
+            elif when == "during":
+                time.sleep(rng.uniform(0.0, 0.01))  # noqa: ASYNC251 - a synchronous step
+                weights.add_(1.0)
+            as_staged = float(weights[0]) - (when != "after the fence")
+            failure: aoffload.CheckpointError | None = None
+            try:
+                await staged
+            except aoffload.CheckpointError as exc:
+                failure = exc
+            if failure is not None:
+                assert when != "after the fence"
+                assert "state['w']" in str(failure)
+                with pytest.raises(aoffload.CheckpointError, match=r"nothing was saved|discarded"):
+                    await engine.commit(tag)
+                continue
+            assert when == "after the fence" or float(weights[0]) == as_staged
+            if when == "after the fence":
+                weights.add_(1.0)
+            await engine.commit(tag)
+            loaded = (await engine.load("m.pt"))["w"]
+            assert torch.equal(loaded, torch.full_like(weights, as_staged))
 
 
 def test_caplog_sees_asyncio_errors(caplog: pytest.LogCaptureFixture) -> None:

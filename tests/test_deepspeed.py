@@ -142,35 +142,50 @@ def test_save_commit_at_step_and_load_round_trip(ds_engine: Any, ckpt: Any) -> N
             assert torch.equal(got, want), key
 
 
+def saved_module(directory: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The module weights of checkpoint ``tag``, verified against its manifest."""
+    state = aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=tag))
+    return dict(state["module"])
+
+
+def assert_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
 def test_latest_only_ever_names_durable_checkpoints(ds_engine: Any, ckpt: Any) -> None:
     directory = Path(ckpt.directory)
     seen: list[str] = []
+    saved: dict[str, dict[str, torch.Tensor]] = {}
     for index in range(4):
         train_step(ds_engine)
+        saved[f"s{index}"] = weights(ds_engine)
         ds_engine.save_checkpoint(str(directory), tag=f"s{index}")
         for _ in range(2):
             train_step(ds_engine)
             latest = read_latest(directory)
             if latest is not None:
-                # Whatever `latest` names is complete: aoffload verifies it against its manifest.
-                aoffload.run(
-                    aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=latest)
-                )
+                # Whatever `latest` names is complete and holds what was saved under it.
+                assert_weights(saved_module(directory, latest), saved[latest])
                 seen.append(latest)
     ckpt.wait()
     assert read_latest(directory) == "s3"
+    assert_weights(saved_module(directory, "s3"), saved["s3"])
     assert seen == sorted(seen)  # never moves backwards
 
 
 def test_two_saves_without_a_step_both_commit(ds_engine: Any, ckpt: Any) -> None:
     directory = Path(ckpt.directory)
     train_step(ds_engine)
+    at_a = weights(ds_engine)
     ds_engine.save_checkpoint(str(directory), tag="a")
     ds_engine.save_checkpoint(str(directory), tag="b")
     train_step(ds_engine)
     ckpt.wait()
     assert read_latest(directory) == "b"
-    assert aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag="a"))
+    assert_weights(saved_module(directory, "a"), at_a)
+    assert_weights(saved_module(directory, "b"), at_a)  # no step between the two saves
 
 
 def test_writer_killed_before_commit_keeps_latest_and_raises_at_the_next_step(

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from ._common import Report, machine, progress, render
 
-SECTIONS = ("bridge", "checkpoint", "optimizer", "overlap", "looplag", "distributed")
+SECTIONS = (
+    "bridge",
+    "checkpoint",
+    "background",
+    "optimizer",
+    "overlap",
+    "looplag",
+    "distributed",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +116,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         _checkpoint.run(
             report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
         )
+    elif section == "background":
+        from . import _background
+
+        _background.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
     elif section == "optimizer":
         from . import _optimizer, _optimizer_state
 

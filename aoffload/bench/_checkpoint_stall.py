@@ -1,10 +1,12 @@
 """aoffload's side of the checkpoint section: stage() + fence per step length, a real CPU step.
 
 The trainer's stall per checkpoint is the ``stage()`` call plus the fence (``await staged``)
-after a step of ``compute`` seconds (a sleep: the trainer waiting for its accelerator). The
-commit is awaited after the fence, outside the stall, so that repetitions do not queue
-behind each other's disk writes. A real CPU step (matrix products on torch's threads)
-shows what the copy costs the compute. The event loop's lag is sampled throughout.
+after a step of ``compute`` seconds. The step blocks the event loop's thread, as a real
+training step does: ``time.sleep`` (the trainer waiting for its accelerator, e.g. in
+``torch.cuda.synchronize()``), or real matrix products on torch's threads (the 'real CPU
+step' rows, which show what the copy costs the compute and the compute costs the copy).
+The commit is awaited after the fence, outside the stall, so that repetitions do not
+queue behind each other's disk writes. The event loop's lag is the ``looplag`` section's.
 """
 
 from __future__ import annotations
@@ -27,14 +29,6 @@ __all__ = ["aoffload_runs"]
 
 SECTION = "checkpoint"
 GIB = float(1 << 30)
-
-
-async def _loop_lag(stop: asyncio.Event, lags: list[float]) -> None:
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        started = loop.time()
-        await asyncio.sleep(0.001)
-        lags.append(max(0.0, loop.time() - started - 0.001))
 
 
 def _cpu_step_call(seconds: float) -> Any:
@@ -76,7 +70,7 @@ async def aoffload_runs(
                 if work is not None:
                     work()  # a real step on the loop thread, as a trainer's step would be
                 else:
-                    await asyncio.sleep(compute)
+                    time.sleep(compute)  # noqa: ASYNC251 - the loop thread waits for its accelerator
                 fenced = time.perf_counter()
                 await staged
                 fence = time.perf_counter() - fenced
@@ -84,8 +78,6 @@ async def aoffload_runs(
                 return call, call + fence, fence, result
 
             await one(0.0)  # warm-up: fills the staging slot once
-            stop, lags = asyncio.Event(), list[float]()
-            ticker = asyncio.create_task(_loop_lag(stop, lags))
             calls: list[float] = []
             results: list[Any] = []
             for compute in computes:
@@ -99,8 +91,6 @@ async def aoffload_runs(
                     "s",
                     [r[1] for r in runs],
                 )
-            stop.set()
-            await ticker
             nbytes = results[-1].bytes
             report.add(
                 SECTION,
@@ -123,26 +113,9 @@ async def aoffload_runs(
                 "GiB/s",
                 [r.bytes / GIB / r.write_seconds for r in results if r.write_seconds],
             )
-            _lag_figures(report, lags)
             await _cpu_step(one, report, reps, cpu_step_seconds, root, state)
             await _dead_writer(engine, state, report)
             return int(nbytes)
-
-
-def _lag_figures(report: Report, lags: list[float]) -> None:
-    lag_ms = sorted(x * 1e3 for x in lags)
-    if not lag_ms:
-        return
-    for label, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
-        value = lag_ms[min(len(lag_ms) - 1, int(q * len(lag_ms)))]
-        report.add(
-            SECTION,
-            "aoffload",
-            f"event-loop lag {label} while staging+committing "
-            f"(single sample: {len(lag_ms)} ticks of one run)",
-            "ms",
-            [value],
-        )
 
 
 async def _cpu_step(
@@ -172,7 +145,7 @@ async def _cpu_step(
     report.add(
         SECTION,
         "real CPU step",
-        "aoffload stage()+fence: stall after the step (the copy overlapping it)",
+        "aoffload stage()+fence: stall after a step using every core (copy and step share them)",
         "s",
         fences,
     )

@@ -1,17 +1,25 @@
-"""Checkpointing: :class:`CheckpointEngine` and the trainer/writer processes behind it.
+"""Checkpointing: :class:`CheckpointEngine` and the threads and writer process behind it.
 
-- :mod:`._engine`: the trainer's side (stage, save, commit, load orchestration);
-- :mod:`._stager`: ``stage()`` and its pipeline; :mod:`._copy`: the staging copy threads;
-- :mod:`._commit`: the committed tags, publishing and retention;
-- :mod:`._plan`: validation, the pickled skeleton and the version counters;
-- :mod:`._staging`: the shared-memory segments and slots staged tensors live in;
-- :mod:`._writer`: the writer service, run in the worker process;
-- :mod:`._store`: the on-disk format (manifest, publish, ``latest``, retention, load).
+The trainer's side, by role:
+
+- :mod:`._engine`: the asyncio face (``CheckpointEngine``, ``Staged``);
+- :mod:`._core`: the engine itself, synchronous and thread-safe (also what the DeepSpeed
+  adapter uses), and which thread does what;
+- :mod:`._tags`: the one owner of the tags in flight and their staging slots;
+- :mod:`._pipeline`: ``stage()`` to the writer, on threads (:mod:`._plan`, :mod:`._copy`,
+  :mod:`._staging`);
+- :mod:`._commit`: a commit, on the commit thread, and the catalog of committed tags;
+  :mod:`._distributed` and :mod:`._ranks`: the same across every rank;
+- :mod:`._load`: verified loads; :mod:`._lock`: the directory lock;
+- :mod:`._format`: the on-disk format alone (no torch): manifest, ``latest``, scan,
+  publish, verify; :mod:`._inspect`: what the command line shows.
+
+The writer process's side is :mod:`.writer`; nothing there imports the trainer's side.
 """
 
 from ._commit import CommitResult as CommitResult
 from ._engine import CheckpointEngine as CheckpointEngine
+from ._engine import Staged as Staged
 from ._load import load_checkpoint as load_checkpoint
-from ._stager import Staged as Staged
 
 __all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")

@@ -1,47 +1,48 @@
-"""What a directory has committed, and the phases of a commit: wait for the writes, publish, retain.
+"""Commits, run on the engine's commit thread: what is committed, and how one commit runs.
 
 :class:`Catalog` is the engine's view of the directory (committed tags in commit order,
-``latest``, the last sequence number, the results of its own commits). Its
-:meth:`Catalog.publish` runs the publish phase of :mod:`._store` as one call on the
-engine's I/O thread and then applies ``keep_last``: old tags are renamed away at once
-and deleted on a thread of their own, so dropping a GiB-sized tag never lengthens a
-commit.
+``latest``, the last sequence number, the results of its own commits); the commit thread
+updates it and any thread reads it. :func:`commit_local` is the whole commit of a
+single-process engine as one blocking function: wait until every file of the tag is
+written, fsync the tree, publish (:func:`._format.publish`: manifest last, rename,
+``latest``), retire old tags. The distributed commit (:mod:`._distributed`) reuses its
+pieces. Nothing here waits for the event loop: a commit completes while the loop is
+blocked.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import functools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from .._errors import CheckpointError, InvalidStateError, RemoteError
-from .._runtime.bridge import Bridge
+from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
-from . import _store
-from ._writer import FileRecord, SyncTree
+from . import _format
+from ._tags import OpenTag
+from .writer._calls import FileRecord, SyncTree
 
-__all__ = ["Catalog", "CommitResult", "Writes", "commit_one", "discard", "write_out"]
+__all__ = ["Catalog", "CommitResult", "commit_local", "committed", "discard", "written"]
 
 logger = logging.getLogger(__name__)
-
-RunIO = Callable[..., Awaitable[Any]]
-"""Runs a blocking function with its arguments on the engine's I/O thread."""
 
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
     """What one ``commit()`` published, and how long each phase took.
 
-    ``stage_seconds``: time spent copying the tag's tensors into staging memory (what
-    ``save()`` cost the trainer); ``write_seconds``: the writer's time serialising and
-    fsyncing the files; ``commit_seconds``: from the ``commit()`` call until the tag and
-    ``latest`` were durable and published. A replica (``writer=False``) gets zero files.
+    ``stage_seconds``: time spent copying the tag's tensors into staging memory (on
+    aoffload's threads); ``write_seconds``: the writer's time serialising and fsyncing the
+    files; ``commit_seconds``: from the ``commit()`` call until the tag and ``latest``
+    were durable and published. A replica (``writer=False``) gets zero files.
     """
 
     tag: str
@@ -63,24 +64,9 @@ class CommitResult:
         return self.bytes / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
 
 
-class Writes(Protocol):
-    """What a commit needs of a tag the engine has open: its files and where they go."""
-
-    tag: str
-    tmpdir: Path
-    writes: dict[str, asyncio.Future[FileRecord]]
-    stage_seconds: float
-
-    def raise_failures(self) -> None:
-        """Raise the first failure of a staging nobody awaited, once."""
-
-
-_W = TypeVar("_W", bound=Writes)
-
-
 def committed(
     directory: Path,
-    open_tag: Writes,
+    open_tag: OpenTag,
     records: Mapping[str, FileRecord],
     started: float,
     sizes: Mapping[str, int],
@@ -101,130 +87,143 @@ def committed(
     )
 
 
-async def write_out(
-    bridge: Bridge | None, open_tag: Writes, latest: str | None
+def written(
+    writer: WorkerCore | None, open_tag: OpenTag, latest: str | None
 ) -> dict[str, FileRecord]:
-    """Wait until every file of ``open_tag`` is written, then fsync its directory tree.
+    """Block until every file of ``open_tag`` is written, then fsync its directory tree.
 
-    Raises :class:`CheckpointError` naming the first file whose write failed,
-    :class:`WorkerDiedError` if the writer died. A tag with no files (a replica, or a
-    rank that saved nothing) needs no writer and returns at once.
+    Raises :class:`CheckpointError` naming the first file whose staging or write failed,
+    :class:`WorkerDiedError` if the writer died. A tag without files returns at once.
     """
     open_tag.raise_failures()
     records: dict[str, FileRecord] = {}
-    for name, future in open_tag.writes.items():
+    for name, job in list(open_tag.files.items()):
         try:
-            records[name] = await future
+            records[name] = job.written.result()
         except RemoteError as exc:
             raise CheckpointError(
                 f"could not write {name!r} of checkpoint {open_tag.tag!r} to "
                 f"{open_tag.tmpdir / name}: {exc.remote_message}; the checkpoint is "
-                f"discarded, {_store.LATEST!r} still names {latest!r}"
+                f"discarded, {_format.LATEST!r} still names {latest!r}"
             ) from exc
-    if records and bridge is not None:
-        await bridge.request(SyncTree(str(open_tag.tmpdir)))
+        except CheckpointError as exc:  # its staging failed (a tensor mutated, bad input)
+            raise CheckpointError(
+                f"file {name!r} of checkpoint {open_tag.tag!r} could not be staged ({exc}); "
+                "the checkpoint is discarded"
+            ) from exc
+    if records and writer is not None:
+        writer.request(SyncTree(str(open_tag.tmpdir)))
     return records
 
 
-async def commit_one(
-    open_tag: _W,
-    bridge: Bridge | None,
+def discard(open_tag: OpenTag, *also: concurrent.futures.Future[Any]) -> None:
+    """Remove the directory of a tag that failed, once its writes in flight (and ``also``)
+    have ended: a write that ends later would recreate it, and reads its staging slot."""
+    pending = [job.written for job in open_tag.files.values()] + list(also)
+    concurrent.futures.wait(pending)
+    _format.remove_tree(open_tag.tmpdir)
+
+
+def commit_local(
+    open_tag: OpenTag,
+    writer: WorkerCore | None,
     catalog: Catalog,
-    run_io: RunIO,
     started: float,
     latest: bool,
-    finish: Callable[[_W], None],
 ) -> CommitResult:
-    """Commit the tag of a single-process engine: wait for its files, publish, retain.
+    """Commit the tag of a single-process engine: wait for its files, publish, retire.
 
-    A tag that fails is removed (:func:`discard`) before the error is raised.
+    Runs on the commit thread. A tag that fails is removed (:func:`discard`) before the
+    error is raised.
     """
-    tag, published = open_tag.tag, False
     try:
         open_tag.raise_failures()
-        if not open_tag.writes:
-            raise InvalidStateError(f"nothing was saved under tag {tag!r}; nothing to commit")
-        records = await write_out(bridge, open_tag, catalog.latest)
-        entries = {n: _store.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
+        if not open_tag.files:
+            raise InvalidStateError(
+                f"nothing was saved under tag {open_tag.tag!r}; nothing to commit"
+            )
+        records = written(writer, open_tag, catalog.latest)
+        entries = {n: _format.FileEntry(r.nbytes, r.xxh3_64) for n, r in records.items()}
 
-        def result(files: Mapping[str, _store.FileEntry]) -> CommitResult:
+        def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
             sizes = {name: entry.bytes for name, entry in files.items()}
             return committed(catalog.directory, open_tag, records, started, sizes)
 
-        done = await catalog.publish(run_io, open_tag.tmpdir, tag, entries, result, latest=latest)
-        published = True
-        return done
-    finally:
-        try:
-            if not published:
-                await discard(open_tag, run_io)
-        finally:
-            finish(open_tag)
-
-
-async def discard(open_tag: Writes, run_io: RunIO, *also: asyncio.Future[Any]) -> None:
-    """Remove the directory of a tag that failed, once its writes in flight (and ``also``)
-    have ended: a write that ends later would recreate it, and reads its staging slot."""
-    pending = [future for future in (*also, *open_tag.writes.values()) if not future.done()]
-    if pending:
-        await asyncio.wait(pending)
-    await run_io(_store.remove_tree, open_tag.tmpdir)
+        return catalog.publish(open_tag.tmpdir, open_tag.tag, entries, result, latest=latest)
+    except BaseException:
+        discard(open_tag)
+        raise
 
 
 class Catalog:
-    """The committed tags of one directory, as of the engine's start and its own commits."""
+    """The committed tags of one directory, as of the engine's start and its own commits.
+
+    The commit thread changes it; any thread reads it.
+    """
 
     def __init__(self, directory: Path, *, durable: bool, keep_last: int | None) -> None:
         self.directory = directory
-        self.tags: list[str] = []
+        self._lock = threading.Lock()
+        self._tags: list[str] = []
         self.latest: str | None = None
         self.sequence = 0
-        self.results: dict[str, CommitResult] = {}
+        self._results: dict[str, CommitResult] = {}
         self._durable = durable
         self._keep_last = keep_last
         self._trash: DaemonThreadExecutor | None = None
-        self._deletions: set[asyncio.Future[None]] = set()
+        self._deletions: set[concurrent.futures.Future[None]] = set()
 
-    def found(self, scan: _store.Scan) -> None:
+    @property
+    def tags(self) -> list[str]:
+        """Committed tags, oldest first."""
+        with self._lock:
+            return list(self._tags)
+
+    def found(self, scan: _format.Scan) -> None:
         """Take what a scan of the directory found."""
-        self.tags, self.sequence, self.latest = scan.tags, scan.sequence, scan.latest
+        with self._lock:
+            self._tags, self.sequence, self.latest = list(scan.tags), scan.sequence, scan.latest
 
     def committed(self, tag: str) -> bool:
         """Whether ``tag`` is committed (and so cannot be saved into again)."""
-        return tag in self.results or tag in self.tags
+        with self._lock:
+            return tag in self._results or tag in self._tags
 
-    async def publish(
+    def result(self, tag: str) -> CommitResult | None:
+        """The result of this engine's commit of ``tag``, if it made one."""
+        with self._lock:
+            return self._results.get(tag)
+
+    def publish(
         self,
-        run_io: RunIO,
         tmpdir: Path,
         tag: str,
-        files: Mapping[str, _store.FileEntry],
-        result: Callable[[Mapping[str, _store.FileEntry]], CommitResult],
+        files: Mapping[str, _format.FileEntry],
+        result: Callable[[Mapping[str, _format.FileEntry]], CommitResult],
         *,
         latest: bool = True,
     ) -> CommitResult:
-        """Publish ``tmpdir`` as ``tag`` and (with ``latest``) move ``latest``; then retain.
+        """Publish ``tmpdir`` as ``tag`` and (with ``latest``) move ``latest``; then retire.
 
-        ``result(files)`` builds the :class:`CommitResult` from every published file once
-        the tag is published. Raises :class:`CheckpointError` (``latest`` unchanged) if
-        publishing failed.
+        ``result(files)`` builds the :class:`CommitResult` from every published file.
+        Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
         """
+        publish = functools.partial(
+            _format.publish,
+            tmpdir,
+            self.directory,
+            tag,
+            self.sequence + 1,
+            files,
+            durable=self._durable,
+            latest=latest,
+        )
         try:
-            publish = functools.partial(
-                _store.publish,
-                tmpdir,
-                self.directory,
-                tag,
-                self.sequence + 1,
-                files,
-                durable=self._durable,
-                latest=latest,
-            )
-            published: Mapping[str, _store.FileEntry] = await run_io(publish)
+            published = publish()
         except OSError as exc:
             raise CheckpointError(
                 f"could not publish checkpoint {tag!r} in {self.directory}: {exc}; "
-                f"{_store.LATEST!r} still names {self.latest!r}"
+                f"{_format.LATEST!r} still names {self.latest!r}"
             ) from exc
         done = result(published)
         self.record(tag, self.sequence + 1, done, latest=latest)
@@ -239,53 +238,54 @@ class Catalog:
             done.write_gb_per_second,
             done.commit_seconds,
         )
-        await self._retain(run_io)
+        self._retire()
         return done
 
     def record(self, tag: str, sequence: int, done: CommitResult, *, latest: bool) -> None:
         """Take note that ``tag`` was published as ``sequence`` (by this engine or rank 0)."""
-        self.sequence = sequence
-        self.tags.append(tag)
-        if latest:
-            self.latest = tag
-        self.results[tag] = done
+        with self._lock:
+            self.sequence = sequence
+            self._tags.append(tag)
+            if latest:
+                self.latest = tag
+            self._results[tag] = done
 
     def forget_old(self) -> None:
         """Apply ``keep_last`` to this view only (rank 0 deletes the tags themselves)."""
-        while self._keep_last is not None and len(self.tags) > self._keep_last:
-            self.results.pop(self.tags.pop(0), None)
+        with self._lock:
+            while self._keep_last is not None and len(self._tags) > self._keep_last:
+                self._results.pop(self._tags.pop(0), None)
 
-    async def _retain(self, run_io: RunIO) -> None:
-        if self._keep_last is None:
-            return
-        while len(self.tags) > self._keep_last:
-            tag = self.tags.pop(0)
-            self.results.pop(tag, None)
+    def _retire(self) -> None:
+        while True:
+            with self._lock:
+                if self._keep_last is None or len(self._tags) <= self._keep_last:
+                    return
+                tag = self._tags.pop(0)
+                self._results.pop(tag, None)
             try:
-                trash = await run_io(_store.retire, self.directory, tag, uuid.uuid4().hex[:8])
+                trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
             except OSError:
                 logger.exception("retention could not delete checkpoint %r; left in place", tag)
                 continue
-            # Deleting GiBs takes a while: on its own thread, off commit()'s path and off the
-            # I/O thread that stages the next save(); close() waits for it.
+            # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
+            # close() waits for it.
             if self._trash is None:
                 self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-            loop = asyncio.get_running_loop()
-            deletion = loop.run_in_executor(self._trash, _store.remove_tree, trash)
+            deletion = self._trash.submit(_format.remove_tree, trash)
             self._deletions.add(deletion)
             deletion.add_done_callback(self._deleted)
 
-    def _deleted(self, deletion: asyncio.Future[None]) -> None:
+    def _deleted(self, deletion: concurrent.futures.Future[None]) -> None:
         self._deletions.discard(deletion)
-        if not deletion.cancelled() and deletion.exception() is not None:
+        if deletion.exception() is not None:
             logger.error(
                 "retention could not delete an old checkpoint; a later start removes it",
                 exc_info=deletion.exception(),
             )
 
-    async def close(self) -> None:
-        """Wait for the deletions retention started, then stop their thread."""
-        if self._deletions:
-            await asyncio.wait(self._deletions)
+    def close(self) -> None:
+        """Wait for the deletions retention started, then stop their thread (blocking)."""
+        concurrent.futures.wait(list(self._deletions))
         if self._trash is not None:
-            self._trash.shutdown(wait=True)  # idle: every deletion is done
+            self._trash.shutdown(wait=True)

@@ -33,7 +33,7 @@ import torch
 
 from .._errors import CheckpointError, ClosedError
 from .._runtime.threads import background_policy
-from ._plan import Plan, key_of, version_of
+from ._plan import Plan, modified
 from ._staging import Region
 
 __all__ = ["CHUNK", "CopyPool", "stage_events"]
@@ -164,18 +164,16 @@ class _Job:
             self._pieces, self._keep = [], []
 
     def _check_versions(self) -> None:
-        plan = self._plan
-        for tensor, planned in zip(plan.tensors, plan.versions, strict=True):
-            now = version_of(tensor)
-            if planned is None or now == planned:
-                continue
-            key = key_of(plan.state, tensor) or f"a tensor of shape {tuple(tensor.shape)}"
-            raise CheckpointError(
-                f"cannot save {self._name!r}: {key} was modified in place while it was "
-                f"being staged (its version counter moved from {planned} to {now}); nothing "
-                "of this file was written. Do not mutate staged tensors until `await "
-                "engine.stage(...)` (or save()) has returned"
-            )
+        moved = modified(self._plan)
+        if moved is None:
+            return
+        key, before, after = moved
+        raise CheckpointError(
+            f"cannot save {self._name!r}: {key} was modified in place while it was being "
+            f"staged (its version counter moved from {before} to {after}); nothing of this "
+            "file was written. Do not modify staged tensors until `await staged` (or save()) "
+            "has returned"
+        )
 
 
 class CopyPool:

@@ -1,7 +1,7 @@
 """Reading a checkpoint directory without an engine: what ``python -m aoffload`` reports.
 
 Everything here reads the format :mod:`._store` defines (its constants, manifests and
-:func:`~._store.verify_file`); :func:`clean` is the one writer, and it takes the
+:func:`~._format.verify_file`); :func:`clean` is the one writer, and it takes the
 directory lock (:mod:`._lock`) exclusive, so it never touches a live engine's files.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from . import _lock, _store
+from . import _format, _lock
 
 __all__ = [
     "FileCheck",
@@ -33,7 +33,7 @@ __all__ = [
     "verify_tags",
 ]
 
-_LATEST_TMP = f".{_store.LATEST}.tmp"  # the pointer being replaced (see _store.publish)
+_LATEST_TMP = f".{_format.LATEST}.tmp"  # the pointer being replaced (see _format.publish)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +65,11 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
         raise CheckpointError(f"{directory} is not a directory") from exc
     infos = []
     for entry in entries:
-        manifest_path = directory / entry / _store.MANIFEST
+        manifest_path = directory / entry / _format.MANIFEST
         if entry.startswith(".") or not manifest_path.is_file():
             continue
         try:
-            manifest = await _store.read_manifest(manifest_path)
+            manifest = await asyncio.to_thread(_format.read_manifest, manifest_path)
             infos.append(
                 TagInfo(
                     entry,
@@ -81,7 +81,7 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
         except (CorruptCheckpointError, KeyError, TypeError, ValueError) as exc:
             infos.append(TagInfo(entry, -1, {}, None, f"unreadable manifest: {exc}"))
     infos.sort(key=lambda info: (info.sequence, info.tag))
-    return infos, await _store.read_latest(directory)
+    return infos, await asyncio.to_thread(_format.read_latest, directory)
 
 
 async def resolve_tags(directory: Path, tag: str | None, every: bool) -> list[TagInfo]:
@@ -93,7 +93,7 @@ async def resolve_tags(directory: Path, tag: str | None, every: bool) -> list[Ta
         return infos
     wanted = tag if tag is not None else latest
     if wanted is None:
-        raise CheckpointError(f"{directory} holds no committed checkpoint (no {_store.LATEST!r})")
+        raise CheckpointError(f"{directory} holds no committed checkpoint (no {_format.LATEST!r})")
     for info in infos:
         if info.tag == wanted:
             return [info]
@@ -125,12 +125,12 @@ async def verify_tags(
     checks = []
     for info in infos:
         if info.error is not None:
-            checks.append(FileCheck(info.tag, _store.MANIFEST, 0, info.error))
+            checks.append(FileCheck(info.tag, _format.MANIFEST, 0, info.error))
             continue
         for name, entry in info.files.items():
             error = None
             try:
-                await asyncio.to_thread(_store.verify_file, directory / info.tag / name, entry)
+                await asyncio.to_thread(_format.verify_file, directory / info.tag / name, entry)
             except CorruptCheckpointError as exc:
                 error = str(exc)
             checks.append(FileCheck(info.tag, name, int(entry["bytes"]), error))
@@ -214,16 +214,16 @@ def leftovers(directory: Path) -> list[tuple[Path, int]]:
     half-moved ``latest``), with their sizes in bytes."""
     found = []
     for entry in sorted(os.listdir(directory)):
-        if entry.startswith((_store.TMP_PREFIX, _store.TRASH_PREFIX)) or entry == _LATEST_TMP:
+        if entry.startswith((_format.TMP_PREFIX, _format.TRASH_PREFIX)) or entry == _LATEST_TMP:
             path = directory / entry
             found.append((path, _size(path)))
     return found
 
 
 def _is_checkpoint_directory(directory: Path) -> bool:
-    if (directory / _lock.LOCK_FILE).exists() or (directory / _store.LATEST).is_file():
+    if (directory / _lock.LOCK_FILE).exists() or (directory / _format.LATEST).is_file():
         return True
-    return any((path / _store.MANIFEST).is_file() for path in directory.iterdir())
+    return any((path / _format.MANIFEST).is_file() for path in directory.iterdir())
 
 
 def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] | None:
@@ -233,7 +233,7 @@ def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] |
         raise CheckpointError(f"{directory} is not a directory")
     if not _is_checkpoint_directory(directory):
         raise CheckpointError(
-            f"{directory} is not an aoffload checkpoint directory (no {_store.LATEST!r}, "
+            f"{directory} is not an aoffload checkpoint directory (no {_format.LATEST!r}, "
             f"no {_lock.LOCK_FILE!r}, no committed tag); nothing was removed"
         )
     lock = _lock.try_exclusive(directory)
@@ -243,7 +243,7 @@ def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] |
         found = leftovers(directory)
         if not dry_run:
             for path, _ in found:
-                _store.remove_tree(path)
+                _format.remove_tree(path)
         return found
     finally:
         lock.release()

@@ -1,15 +1,18 @@
 """Turning a state into what the writer needs: a pickled skeleton, a tensor list, a copy.
 
-Pure functions, run on the engine's I/O thread (never on the event loop, since the
-pickling and the copy both grow with the state):
+Pure functions. :func:`plan` runs on the engine's stage thread, never on the event loop,
+since the pickling grows with the state:
 
 * :func:`plan` pickles the state with every tensor replaced by a persistent id (the
   skeleton) and lays the skeleton and the tensors out, aligned, in one staging region.
   Large payloads of the skeleton (a 64 MB ``bytes`` value) are kept by reference, not
   copied: the pickler hands them to :class:`_Chunks` as they are;
-* each tensor's version counter is read as the planner meets it; :mod:`._copy` compares
-  it after the copy, and :func:`key_of` names the key of a tensor that moved (the slow,
-  error-only path).
+* each tensor's version counter is recorded by :func:`versions` when ``stage()`` is called,
+  on the caller's thread, before it returns (a walk of the state's dicts, lists and tuples:
+  O(entries), nothing that grows with the bytes); :mod:`._copy` compares it after the copy,
+  and :func:`key_of` names the key of a tensor that moved (the slow, error-only path). A
+  tensor the walk cannot reach (inside another object) has its version read when the
+  planner meets it.
 
 The copy itself is :mod:`._copy`'s, so nothing that grows with the state crosses the pipe.
 """
@@ -26,9 +29,10 @@ import torch
 from .._errors import InvalidStateError
 from ._staging import aligned
 
-__all__ = ["Plan", "key_of", "plan", "version_of"]
+__all__ = ["Plan", "Versions", "key_of", "modified", "plan", "version_of", "versions"]
 
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
+_UNRECORDED: Any = object()
 
 
 def _tensor_problem(tensor: torch.Tensor) -> str | None:
@@ -81,14 +85,38 @@ class _Chunks:
         return tuple(self.chunks)
 
 
+Versions = dict[int, int | None]
+"""Each tensor's version counter when ``stage()`` was called, by ``id(tensor)``."""
+
+
+def versions(state: object) -> Versions:
+    """The version counter of every tensor in ``state``'s dicts, lists and tuples, by id.
+
+    Runs on the caller's thread when ``stage()`` is called; O(entries).
+    """
+    found: Versions = {}
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if id(value) not in found:
+                found[id(value)] = version_of(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return found
+
+
 class _Pickler(pickle.Pickler):
     """Pickles the skeleton of a state; every tensor becomes a persistent id."""
 
-    def __init__(self, file: io.BytesIO | _Chunks) -> None:
+    def __init__(self, file: io.BytesIO | _Chunks, recorded: Versions | None = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self.versions: list[int | None] = []
         self._ids: dict[int, int] = {}
+        self._recorded = recorded or {}
 
     def persistent_id(self, obj: Any) -> int | None:
         if not isinstance(obj, torch.Tensor):
@@ -100,7 +128,8 @@ class _Pickler(pickle.Pickler):
                 raise _Unsupported(problem)
             index = self._ids[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
-            self.versions.append(version_of(obj))
+            recorded = self._recorded.get(id(obj), _UNRECORDED)
+            self.versions.append(version_of(obj) if recorded is _UNRECORDED else recorded)
         return index
 
 
@@ -154,7 +183,7 @@ class Plan:
     """A state ready to stage: its skeleton and tensors, and where each goes in the region.
 
     The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; tensor ``i``
-    at ``offsets[i]``, with version counter ``versions[i]`` as planned; ``nbytes`` is the
+    at ``offsets[i]``, with version counter ``versions[i]`` as recorded; ``nbytes`` is the
     whole region's size. ``state`` is kept to name a key on the error path only.
     """
 
@@ -167,10 +196,13 @@ class Plan:
     state: object
 
 
-def plan(state: object, name: str) -> Plan:
-    """Pickle the skeleton of ``state`` and lay out its tensors; bad input names its key."""
+def plan(state: object, name: str, recorded: Versions | None = None) -> Plan:
+    """Pickle the skeleton of ``state`` and lay out its tensors; bad input names its key.
+
+    ``recorded`` holds the version counters :func:`versions` read at ``stage()``.
+    """
     chunks = _Chunks()
-    pickler = _Pickler(chunks)
+    pickler = _Pickler(chunks, recorded)
     try:
         pickler.dump(state)
     except Exception as exc:
@@ -191,3 +223,14 @@ def plan(state: object, name: str) -> Plan:
         tuple(pickler.versions),
         state,
     )
+
+
+def modified(planned: Plan) -> tuple[str, int | None, int | None] | None:
+    """The first tensor of ``planned`` whose version counter moved since it was recorded:
+    its key, the recorded and the current counter; ``None`` if none moved."""
+    for tensor, recorded in zip(planned.tensors, planned.versions, strict=True):
+        now = version_of(tensor)
+        if recorded is not None and now != recorded:
+            key = key_of(planned.state, tensor) or f"a tensor of shape {tuple(tensor.shape)}"
+            return key, recorded, now
+    return None

@@ -8,19 +8,18 @@ then the trainer unlinks it on close and on every failure path.
 A :class:`Slot` holds the segments of one staged-not-yet-durable checkpoint. Slots are
 reused checkpoint after checkpoint (a warm copy into mapped pages runs several times
 faster than into fresh ones); a slot grows a segment only when a file does not fit in
-the space it already has. ``max_pending`` slots bound the engine's memory.
+the space it already has. ``max_pending`` slots bound the engine's memory; which tag holds
+which slot, and who waits for one, is :mod:`._tags`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
 import mmap
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,36 +162,20 @@ class Slot:
 
 
 class SlotPool:
-    """``max_pending`` slots; :meth:`acquire` waits for one while a commit can free one."""
+    """``max_pending`` slots. Not thread-safe: :class:`~._tags.Tags` owns it under its lock."""
 
     def __init__(self, count: int) -> None:
         self.slots = [Slot(i) for i in range(count)]
         self._free = list(reversed(self.slots))
-        self._waiters: list[asyncio.Future[None]] = []
 
-    async def acquire(self, can_free: Callable[[], str | None]) -> Slot:
-        """A free slot. ``can_free()`` returns why none will ever free up, or ``None``."""
-        while not self._free:
-            why = can_free()
-            if why is not None:
-                raise CheckpointError(why)
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        return self._free.pop()
+    def take(self) -> Slot | None:
+        """A free slot, or ``None``."""
+        return self._free.pop() if self._free else None
 
-    def release(self, slot: Slot) -> None:
-        """Make ``slot`` free again and wake whoever waits for one."""
+    def give(self, slot: Slot) -> None:
+        """Make ``slot`` free again (its memory is reused by the next checkpoint)."""
         slot.reset()
         self._free.append(slot)
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
     def close(self) -> None:
         """Unlink and unmap every slot's memory."""

@@ -1,13 +1,16 @@
-"""DeepSpeed's ``CheckpointEngine`` interface, backed by :class:`aoffload.CheckpointEngine`.
+"""DeepSpeed's ``CheckpointEngine`` interface, backed by aoffload's checkpoint engine.
 
-:class:`AsyncCheckpointEngine` owns a private event loop on a daemon thread (a portal):
-its synchronous methods submit coroutines to it and re-raise aoffload's exceptions in
-the caller's thread. :func:`install` puts it on a ``DeepSpeedEngine``. See
+:class:`AsyncCheckpointEngine` drives :class:`~aoffload.checkpoint._core.EngineCore`, the
+synchronous, thread-safe engine behind :class:`aoffload.CheckpointEngine`, directly from
+DeepSpeed's thread: no event loop anywhere. The copy, the writes and the commits run on
+the engine's threads and writer process; the adapter's methods only hand work over and,
+at the fence, wait on futures. :func:`install` puts it on a ``DeepSpeedEngine``. See
 ``docs/deepspeed.md`` for how to install it and why ``latest`` stays truthful.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -23,8 +26,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .._errors import AoffloadError, CheckpointError, ClosedError
-from .._runtime.threads import Portal
-from ..checkpoint import CheckpointEngine, CommitResult, Staged
+from ..checkpoint._core import EngineCore
+from ..checkpoint._tags import FileJob
 from ._inflight import CommitsInFlight
 
 __all__ = ["AsyncCheckpointEngine", "install"]
@@ -38,7 +41,7 @@ class _Open:
 
     info: CheckpointCommitInfo
     files: int = 0
-    staged: list[Staged] = dataclasses.field(default_factory=list)
+    staged: list[FileJob] = dataclasses.field(default_factory=list)
 
 
 def _name_in(opened: _Open | None, path: str) -> str | None:
@@ -51,24 +54,16 @@ def _name_in(opened: _Open | None, path: str) -> str | None:
     return name if tag == info.tag else None
 
 
-# The coroutines the adapter's synchronous methods run on its portal.
-
-
-async def _stage(engine: CheckpointEngine, state: object, name: str, tag: str) -> Staged:
-    return engine.stage(state, name, tag=tag)
-
-
-async def _fence(staged: list[Staged]) -> None:
-    for handle in staged:
-        await handle
-
-
-async def _commit(engine: CheckpointEngine, tag: str, latest: bool) -> CommitResult:
-    # aoffload publishes tags in commit order and moves `latest` (the same plain-text file
-    # DeepSpeed reads) only once the tag is durable (on every rank, when distributed).
-    result = await engine.commit(tag, latest=latest)
-    logger.info("checkpoint %s is durable (%d bytes)", tag, result.bytes)
-    return result
+def _fence(engine: EngineCore, staged: list[FileJob]) -> None:
+    """Block until every copy of ``staged`` has ended and passed the fence's check; raise
+    the first failure (once)."""
+    for job in staged:
+        try:
+            job.staged.result()
+        except BaseException as exc:
+            engine.tags.seen(job, exc)
+            raise
+        engine.seal(job)
 
 
 class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
@@ -129,17 +124,12 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         self._distributed = distributed
         self._writer = writer
         self._directory: str | None = None
-        self._engines: dict[str, CheckpointEngine] = {}
+        self._engines: dict[str, EngineCore] = {}
         self._open: _Open | None = None
         self._commits = CommitsInFlight(commit_timeout)
         self._closed = False
-        self._portal = Portal("deepspeed-checkpoint")
         if directory is not None and (writer or distributed):  # a collective when distributed
-            try:
-                self._bind(os.fspath(directory))
-            except BaseException:
-                self._portal.close()
-                raise
+            self._bind(os.fspath(directory))
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -158,14 +148,14 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         if self._closed:
             raise ClosedError("the AsyncCheckpointEngine was cleaned up")
 
-    def _bind(self, directory: str) -> CheckpointEngine:
+    def _bind(self, directory: str) -> EngineCore:
         """The aoffload engine (one writer process) for ``directory``, started on first use."""
         directory = os.path.abspath(directory)
         engine = self._engines.get(directory)
         if engine is None:
             os.makedirs(directory, exist_ok=True)
-            engine = CheckpointEngine(directory, **self._options)
-            self._portal.call(engine.__aenter__())
+            engine = EngineCore(directory, **self._options)
+            engine.start()
             self._engines[directory] = engine
             if self._directory is None:
                 self._directory = directory
@@ -176,13 +166,16 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         if opened.files == 0 and not self._distributed:
             # Nothing of this tag went through aoffload (a replica, or only plain exports).
             return
-        # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
-        self._portal.call(_fence(opened.staged))
-        # Distributed: every rank takes part in every commit, with or without files.
         info = opened.info
         engine = self._bind(info.save_dir)
-        future = self._portal.submit(_commit(engine, info.tag, info.save_latest))
-        self._commits.add(info.tag, future)
+        # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
+        _fence(engine, opened.staged)
+        # Distributed: every rank takes part in every commit, with or without files.
+        # aoffload publishes tags in commit order and moves `latest` (the same plain-text
+        # file DeepSpeed reads) only once the tag is durable (on every rank, if distributed).
+        future = engine.commit(info.tag, info.save_latest)
+        future.add_done_callback(_log_durable)
+        self._commits.add(info.tag, future, engine.tags)
 
     # -- DeepSpeed's CheckpointEngine interface ---------------------------------------------
 
@@ -227,8 +220,9 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             torch.save(state_dict, path)
             return
         engine = self._bind(self._open.info.save_dir)
-        staged = self._portal.call(_stage(engine, state_dict, name, self._open.info.tag))
-        self._open.staged.append(staged)
+        job = engine.stage(state_dict, name, self._open.info.tag)
+        if job is not None:
+            self._open.staged.append(job)
         self._open.files += 1
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -297,22 +291,25 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             self.wait()
         finally:
             self._closed = True
-            try:
-                self._close_engines()
-            finally:
-                self._portal.close()
+            self._close_engines()
 
     def _close_engines(self) -> None:
         engines, self._engines = list(self._engines.values()), {}
         failures: list[AoffloadError] = []
         for engine in engines:
             try:
-                self._portal.call(engine.aclose())
+                engine.close()
             except AoffloadError as exc:  # close the others, then raise the first
                 logger.error("closing the checkpoint writer for %s failed", engine.directory)
                 failures.append(exc)
         if failures:
             raise failures[0]
+
+
+def _log_durable(future: concurrent.futures.Future[Any]) -> None:
+    if future.exception() is None:
+        result = future.result()
+        logger.info("checkpoint %s is durable (%d bytes)", result.tag, result.bytes)
 
 
 def install(

@@ -13,9 +13,10 @@
     rename old tags -> .trash-*, then delete             retention, after the new tag is durable
 
 A crash at any instant leaves ``latest`` naming either the old or the new checkpoint.
-Each phase that is a chain of small blocking calls (scan, publish, retire) is one
-synchronous function here, run as one call on the engine's I/O thread. Reads the trainer
-awaits (``latest``, a manifest) go through aiofiles.
+Each phase is one synchronous function here (scan, publish, retire, verify), run by the
+engine's threads (the commit thread publishes; the load thread reads), never by the event
+loop. This module is the format alone: it imports neither torch nor the rest of the engine,
+so the command line reads a directory without importing torch.
 """
 
 from __future__ import annotations
@@ -25,14 +26,11 @@ import mmap
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import aiofiles
-import torch
 import xxhash
 
 from .._errors import CheckpointError, CorruptCheckpointError, InvalidStateError
@@ -41,8 +39,9 @@ __all__ = [
     "FORMAT",
     "LATEST",
     "MANIFEST",
+    "TMP_PREFIX",
+    "TRASH_PREFIX",
     "FileEntry",
-    "MapLocation",
     "Scan",
     "adopt",
     "digest",
@@ -55,6 +54,7 @@ __all__ = [
     "scan",
     "validate_name",
     "validate_tag",
+    "verify_file",
 ]
 
 MANIFEST = ".aoffload-manifest.json"
@@ -66,8 +66,6 @@ FORMAT = "aoffload-checkpoint/1"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _VERIFY_BLOCK = 8 << 20
-
-MapLocation = str | torch.device | dict[str, str] | Callable[..., Any] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +122,7 @@ def remove_tree(path: Path) -> None:
         path.unlink()
 
 
-def _write_text(path: Path, text: str, durable: bool) -> None:
+def write_text(path: Path, text: str, durable: bool) -> None:
     with open(path, "w", encoding="utf-8") as file:
         file.write(text)
         file.flush()
@@ -171,11 +169,7 @@ def scan(directory: Path, *, clean: bool) -> Scan:
         manifest = _parse_manifest(manifest_path, manifest_path.read_text(encoding="utf-8"))
         found.append((int(manifest["sequence"]), entry))
     found.sort()
-    try:
-        latest = (directory / LATEST).read_text(encoding="utf-8").strip() or None
-    except FileNotFoundError:
-        latest = None
-    return Scan([tag for _, tag in found], found[-1][0] if found else 0, latest)
+    return Scan([tag for _, tag in found], found[-1][0] if found else 0, read_latest(directory))
 
 
 def digest(path: Path) -> FileEntry:
@@ -280,7 +274,7 @@ def publish(
         "created": time.time(),
         "files": {n: {"bytes": e.bytes, "xxh3_64": e.xxh3_64} for n, e in everything.items()},
     }
-    _write_text(tmpdir / MANIFEST, json.dumps(manifest, indent=1), durable)
+    write_text(tmpdir / MANIFEST, json.dumps(manifest, indent=1), durable)
     if durable:
         fsync_path(tmpdir)
     os.rename(tmpdir, directory / tag)
@@ -288,7 +282,7 @@ def publish(
         fsync_path(directory)
     if latest:
         pointer = directory / f".{LATEST}.tmp"
-        _write_text(pointer, tag + "\n", durable)
+        write_text(pointer, tag + "\n", durable)
         os.replace(pointer, directory / LATEST)
         if durable:
             fsync_path(directory)
@@ -302,27 +296,18 @@ def retire(directory: Path, tag: str, trash_name: str) -> Path:
     return trash
 
 
-# -- reading (the trainer's side) -------------------------------------------------------
+# -- reading ------------------------------------------------------------------------------
 
 
-async def _read_text(path: Path, executor: Executor | None) -> str:
-    # Not `async with`: aiofiles closes a context-managed file on the default executor.
-    file = await aiofiles.open(path, encoding="utf-8", executor=executor)
-    try:
-        return await file.read()
-    finally:
-        await file.close()
-
-
-async def read_manifest(path: Path, executor: Executor | None = None) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest at ``path``; :class:`CorruptCheckpointError` if it is not one."""
-    return _parse_manifest(path, await _read_text(path, executor))
+    return _parse_manifest(path, path.read_text(encoding="utf-8"))
 
 
-async def read_latest(directory: Path, executor: Executor | None = None) -> str | None:
+def read_latest(directory: Path) -> str | None:
     """The tag ``latest`` names, or ``None``."""
     try:
-        return (await _read_text(directory / LATEST, executor)).strip() or None
+        return (directory / LATEST).read_text(encoding="utf-8").strip() or None
     except FileNotFoundError:
         return None
 

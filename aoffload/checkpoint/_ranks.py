@@ -1,12 +1,11 @@
-"""Where the ranks of a distributed engine meet: its gloo group, the commit store, two threads.
+"""Where the ranks of a distributed engine meet: its gloo group, the commit store, its keys.
 
 :class:`Rendezvous` is this rank's link to the others; :mod:`._distributed` runs the commit
 protocol over it. Coordination uses torch.distributed alone, and never runs on the event
-loop: every blocking call goes to one of two threads of this module, each with its own
-connection to the store (a ``TCPStore`` client serialises its calls, so a blocked wait
-would hold up everything else on its connection). The *control* thread makes the quick
-calls (:meth:`Rendezvous.control`); the *waiter* thread blocks on a key until a peer sets
-it (:meth:`Rendezvous.wait_for`).
+loop: the commit thread calls the store directly, on this rank's *control* connection, and
+a *waiter* thread blocks on a key until a peer sets it (:meth:`Rendezvous.wait_for`), on a
+connection of its own (a ``TCPStore`` client serialises its calls, so a blocked wait would
+hold up everything else on its connection).
 
 :meth:`Rendezvous.join` is the collective start. Every rank creates the engine's own gloo
 group (``new_group(backend="gloo")``, whatever backend the trainer uses). Rank 0 takes the
@@ -19,38 +18,58 @@ then hold the lock shared: they never clean.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import datetime
 import json
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
 from .._errors import CheckpointError
 from .._runtime.threads import DaemonThreadExecutor
-from . import _lock, _store
-from ._keys import Keys
+from . import _format, _lock
 
-__all__ = ["Rendezvous"]
+__all__ = ["Keys", "Rendezvous", "first_line"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 
 
-class Rendezvous:
-    """This rank's link to the other ranks: the gloo group, the commit store and its threads.
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if it has none)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
-    The methods that talk to the store block: run them on the control thread
-    (``await rendezvous.control(rendezvous.claim, key, value)``).
+
+class Keys:
+    """The store keys of commit ``n`` of run ``run``."""
+
+    def __init__(self, run: str, n: int) -> None:
+        self.run, self.n = run, n
+        self.prefix = f"aoffload/{run}/{n}/"
+        self.outcome = self.prefix + "outcome"
+        self.count = self.prefix + "count"
+        self.result = self.prefix + "result"
+
+    def report(self, rank: int) -> str:
+        """Where ``rank`` reports its files."""
+        return f"{self.prefix}report/{rank}"
+
+    def ack(self, rank: int) -> str:
+        """Where ``rank`` acknowledges the published result."""
+        return f"{self.prefix}ack/{rank}"
+
+
+class Rendezvous:
+    """This rank's link to the other ranks: the gloo group, the commit store, the waiter.
+
+    The methods that talk to the store block: the commit thread (or the closing thread)
+    calls them.
     """
 
     def __init__(self, directory: Path, *, writer: bool, timeout: float) -> None:
@@ -68,32 +87,23 @@ class Rendezvous:
         """The run id rank 0 chose: every store key of this engine's commits starts with it."""
         self._directory = directory
         self._writer = writer
-        self._control: DaemonThreadExecutor | None = None
         self._waiter: DaemonThreadExecutor | None = None
         self._store: Any = None  # this rank's connection for quick calls (rank 0: the server)
         self._waiting: Any = None  # the connection its waiter thread blocks on
         self._group: Any = None
         self._lock: _lock.DirectoryLock | None = None
 
-    # -- threads ------------------------------------------------------------------------
+    # -- waiting -----------------------------------------------------------------------
 
-    @staticmethod
-    async def _on(executor: Executor | None, fn: Callable[..., _T], *args: Any) -> _T:
-        if executor is None:
-            raise CheckpointError("the distributed engine was never started")
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    def wait_for(self, key: str) -> concurrent.futures.Future[str]:
+        """The value of ``key`` once a peer sets it, waited for on the waiter thread.
 
-    async def control(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` (quick calls on the store) on the control thread."""
-        return await self._on(self._control, fn, *args)
-
-    async def wait_for(self, key: str) -> str:
-        """Wait (on the waiter thread) until ``key`` is set; its value.
-
-        Raises ``torch.distributed.DistStoreError`` after ``commit_timeout`` seconds,
-        ``DistError`` when the store is gone.
+        The future fails with ``torch.distributed.DistStoreError`` after
+        ``commit_timeout`` seconds, ``DistError`` when the store is gone.
         """
-        return await self._on(self._waiter, self._get, key, self.timeout)
+        if self._waiter is None:
+            raise CheckpointError("the distributed engine was never started")
+        return self._waiter.submit(self._get, key, self.timeout)
 
     def _get(self, key: str, timeout: float) -> str:
         self._waiting.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
@@ -101,24 +111,23 @@ class Rendezvous:
 
     # -- join ---------------------------------------------------------------------------
 
-    async def join(self) -> _store.Scan:
-        """Join the other ranks (a collective); return rank 0's scan of the directory."""
-        self._control = DaemonThreadExecutor("aoffload-ranks-control")
+    def join(self) -> _format.Scan:
+        """Join the other ranks (a collective, blocking); return rank 0's scan."""
         self._waiter = DaemonThreadExecutor("aoffload-ranks-waiter")
-        return await self.control(self._join)
+        return self._join()
 
     def _connect(self, host: str, port: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout)
         return _TCPStore(host, port, None, False, timeout=timeout)
 
-    def _join(self) -> _store.Scan:
+    def _join(self) -> _format.Scan:
         self._group = dist.new_group(backend="gloo")
         link: list[Any] = [None, None]
         if self.rank == 0:
             # Rank 0 publishes, even as a replica. It cleans only when it is alone.
             self._directory.mkdir(parents=True, exist_ok=True)
             self._lock, scan = _lock.hold_shared(
-                self._directory, lambda sole: _store.scan(self._directory, clean=sole)
+                self._directory, lambda sole: _format.scan(self._directory, clean=sole)
             )
             host = os.environ.get("MASTER_ADDR") or socket.gethostname()
             timeout = datetime.timedelta(seconds=self.timeout)
@@ -134,11 +143,11 @@ class Rendezvous:
         logger.debug(
             "rank %d joined checkpoint run %s (store %s:%d)", self.rank, self.run, host, port
         )
-        if not isinstance(scan, _store.Scan):
+        if not isinstance(scan, _format.Scan):
             raise CheckpointError(f"rank 0 sent {type(scan).__name__} instead of its scan")
         return scan
 
-    # -- the store (blocking: on the control thread) ------------------------------------
+    # -- the store (blocking) ----------------------------------------------------------
 
     def claim(self, key: str, value: str) -> str:
         """Set ``key`` to ``value`` unless someone else set it first; what it holds now."""
@@ -182,25 +191,20 @@ class Rendezvous:
         acks = [keys.ack(rank) for rank in range(1, self.world)]
         self._store.wait(acks, datetime.timedelta(seconds=seconds))
 
-    # -- leave --------------------------------------------------------------------------
+    # -- leave ---------------------------------------------------------------------------
 
-    async def leave(self, farewell: Callable[[], None]) -> None:
-        """Run ``farewell`` on the control thread (if joined), then release everything."""
-        control, waiter = self._control, self._waiter
+    def leave(self, farewell: Any) -> None:
+        """Run ``farewell()`` (if joined), then release everything (blocking)."""
+        waiter = self._waiter
         try:
-            if control is not None and self._store is not None:
-                await self._on(control, self._leave, farewell)
+            if self._store is not None:
+                farewell()
+                group, self._group = self._group, None
+                if group is not None and dist.is_initialized():
+                    dist.destroy_process_group(group)
         finally:
             self._store = self._waiting = None
-            if control is not None:
-                control.shutdown(wait=False)
             if waiter is not None:
                 waiter.shutdown(wait=False)  # it may still block on a key nobody will set
             if self._lock is not None:
                 self._lock.release()
-
-    def _leave(self, farewell: Callable[[], None]) -> None:
-        farewell()
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)

@@ -1,0 +1,336 @@
+"""The checkpoint engine itself, as any thread sees it: synchronous and thread-safe.
+
+:class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all
+the work; nothing in it needs an event loop. :class:`~._engine.CheckpointEngine` is its
+asyncio face and the DeepSpeed adapter (:mod:`aoffload.deepspeed`) uses it directly.
+
+===================  ==============================================================
+thread               work
+===================  ==============================================================
+the caller's         ``stage()``: validation, version counters, the job handed over;
+                     ``commit()``: which tag, its future, the commit handed over
+stage thread         plan, wait for a staging slot, reserve space (:mod:`._pipeline`)
+copy pool            the GIL-free copy, the version check, the hand-off to the writer
+writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (:mod:`.writer`)
+commit thread        one commit at a time, in request order: wait for the writes,
+                     fsync, publish, ``latest``, retention (:mod:`._commit`), with
+                     every rank (:mod:`._distributed`)
+load thread          verify and load (:mod:`._load`)
+trash thread         deleting retired tags
+===================  ==============================================================
+
+The tags in flight have one owner, :class:`~._tags.Tags`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .._errors import CheckpointError, ClosedError, InvalidStateError
+from .._runtime.core import WorkerCore
+from .._runtime.threads import DaemonThreadExecutor, running_future
+from . import _format, _lock
+from ._commit import Catalog, CommitResult, commit_local
+from ._distributed import Ranks
+from ._load import MapLocation, in_writer, load_file
+from ._pipeline import Pipeline
+from ._plan import modified
+from ._tags import FileJob, OpenTag, Tags
+from .writer import TARGET
+from .writer._calls import WriterConfig
+
+__all__ = ["EngineCore"]
+
+logger = logging.getLogger(__name__)
+
+
+def _scan_alone(directory: Path, writer: bool) -> tuple[_lock.DirectoryLock | None, _format.Scan]:
+    """Scan ``directory`` at the start of a single-process engine.
+
+    A writer creates the directory and takes the directory lock (see :mod:`._lock`), held
+    shared while the engine lives; leftovers of dead runs are removed only by an engine
+    alone in the directory. A replica only reads.
+    """
+    if not writer:
+        return None, _format.scan(directory, clean=False)
+    directory.mkdir(parents=True, exist_ok=True)
+    return _lock.hold_shared(directory, lambda sole: _format.scan(directory, clean=sole))
+
+
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = running_future()
+    future.set_result(value)
+    return future
+
+
+class EngineCore:
+    """The engine behind :class:`~aoffload.CheckpointEngine`; see that class for the options."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        max_pending: int = 1,
+        writer: bool = True,
+        durable: bool = True,
+        start_timeout: float = 60.0,
+        close_timeout: float = 30.0,
+        direct_io: bool = True,
+        distributed: bool = False,
+        commit_timeout: float = 300.0,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
+        self.directory = Path(directory)
+        self._start_timeout = start_timeout
+        self._close_timeout = close_timeout
+        config = WriterConfig(durable=durable, direct_io=direct_io)
+        self.writer = (
+            WorkerCore(TARGET, config, name="checkpoint-writer", close_timeout=close_timeout)
+            if writer
+            else None
+        )
+        self.tags = Tags(self.directory, max_pending)
+        self.catalog = Catalog(self.directory, durable=durable, keep_last=keep_last)
+        self._ranks = (
+            Ranks(self.directory, writer=writer, durable=durable, timeout=commit_timeout)
+            if distributed
+            else None
+        )
+        self._pipeline: Pipeline | None = None
+        self._commits: DaemonThreadExecutor | None = None
+        self._loads: DaemonThreadExecutor | None = None
+        self._lock: _lock.DirectoryLock | None = None
+        self._running = False
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The writer's process id while it runs, else ``None`` (always for a replica)."""
+        return self.writer.pid if self.writer is not None and self._running else None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Scan the directory (cleaning a crash's leftovers), start the writer (blocking).
+
+        With ``distributed=True`` this is a collective. A failed start releases
+        everything it took.
+        """
+        if self._running or self._closed:
+            raise ClosedError("this checkpoint engine was already started; create a new one")
+        try:
+            if self._ranks is not None:  # rank 0 alone may clean (see _lock)
+                found = self._ranks.start()
+            else:
+                self._lock, found = _scan_alone(self.directory, self.writer is not None)
+            self.catalog.found(found)
+            self._commits = DaemonThreadExecutor("aoffload-commit")
+            self._loads = DaemonThreadExecutor("aoffload-load")
+            if self.writer is not None:
+                self.writer.start(self._start_timeout)
+                self._pipeline = Pipeline(self.tags, self.writer)
+        except BaseException:
+            self.close()
+            raise
+        self._running = True
+
+    def check_running(self) -> None:
+        """Raise why the engine cannot save or commit now (closed, or its writer died)."""
+        if not self._running:
+            raise ClosedError("the checkpoint engine is not running")
+        if self.writer is not None:
+            self.writer.check_running()
+
+    # -- stage and commit ----------------------------------------------------------------
+
+    def stage(self, state: object, name: str, tag: str) -> FileJob | None:
+        """Start staging ``state`` as file ``name`` of ``tag``; its job (``None``: a replica).
+
+        Validates here (bad names and tags raise :class:`InvalidStateError` at once) and
+        records each tensor's version counter; the rest runs on the pipeline's threads.
+        """
+        self.tags.raise_background()
+        self.check_running()
+        name, tag = _format.validate_name(name), _format.validate_tag(tag)
+        if self._pipeline is None:  # a replica writes nothing
+            if self.catalog.committed(tag):
+                raise InvalidStateError(f"checkpoint {tag!r} is already committed; use a new tag")
+            return None
+        job = self.tags.add_file(tag, name, self.catalog.committed)
+        try:
+            self._pipeline.stage(job, state)
+        except BaseException as exc:
+            self.tags.failed(job, exc)
+            self.tags.seen(job, exc)  # raised here, to the caller
+            raise
+        return job
+
+    def seal(self, job: FileJob) -> None:
+        """The fence, on the thread that owns the state: after ``job``'s copy has ended,
+        raise if any of its tensors was modified in place since ``stage()`` was called.
+
+        The copy threads check the version counters when the copy ends, but an in-place
+        operation still running then bumps its counter only when it finishes; the thread
+        that awaits the fence has finished all of its own. So a counter that moved by now
+        fails the file (whether the modification overlapped the copy or followed it, which
+        nobody can tell apart), and its tag can no longer be published: it is discarded.
+        Idempotent; raises what the staging raised.
+        """
+        job.staged.result()
+        if job.sealed is not False:
+            if isinstance(job.sealed, BaseException):
+                raise job.sealed
+            return
+        planned = job.plan
+        moved = None if planned is None else modified(planned)
+        if moved is None:
+            job.sealed = True
+            return
+        key, before, after = moved
+        error = CheckpointError(
+            f"cannot save {job.name!r}: {key} was modified in place after stage() and before "
+            f"`await staged` (its version counter moved from {before} to {after}); checkpoint "
+            f"{job.open_tag.tag!r} is discarded. Do not modify staged tensors until the fence "
+            "(`await staged`, or save()) has returned; a module in training mode updates its "
+            "running statistics (BatchNorm's) in its forward pass: fence before it"
+        )
+        if self.tags.poison(job, error) and self._commits is not None:
+            with contextlib.suppress(ClosedError):  # the commit discards the tag
+                self.tags.commit_seen(self._start_commit(job.open_tag.tag, True))
+        raise error
+
+    def commit(self, tag: str | None = None, latest: bool = True) -> concurrent.futures.Future[Any]:
+        """Start (or find) the commit of ``tag``; the future of its :class:`CommitResult`.
+
+        The engine owns the commit: a failure nobody sees through the future is raised by
+        the engine's next call (:meth:`Tags.raise_background`). Raises at once what makes
+        the commit impossible (:class:`InvalidStateError`: nothing saved; a dead writer).
+        """
+        self.tags.raise_background()
+        self.check_running()
+        return self._start_commit(tag, latest)
+
+    def _start_commit(self, tag: str | None, latest: bool) -> concurrent.futures.Future[Any]:
+        if tag is not None:
+            tag = _format.validate_tag(tag)
+            done = self.catalog.result(tag)
+            if done is not None:
+                return _done(done)
+        if self.writer is None and self._ranks is None:
+            named = tag or ""
+            return _done(CommitResult(named, self.directory / named, (), 0, 0.0, 0.0, 0.0))
+        open_tag, started = self.tags.begin_commit(tag, empty_ok=self._ranks is not None)
+        future = open_tag.commit
+        if future is None:  # pragma: no cover - begin_commit always sets it
+            raise RuntimeError("a commit without a future")
+        if started:
+            self.tags.own(future)
+            if self._commits is None:
+                raise ClosedError("the checkpoint engine is not running")
+            self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
+        return future
+
+    def _run_commit(self, open_tag: OpenTag, started: float, latest: bool) -> None:
+        """One commit, on the commit thread; resolves ``open_tag.commit``."""
+        future = open_tag.commit
+        if future is None:  # pragma: no cover - begin_commit always sets it
+            return
+        if self._ranks is not None:
+
+            def resolve(result: CommitResult | None, error: BaseException | None) -> None:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+
+            try:
+                self._ranks.commit(open_tag, self.writer, self.catalog, started, latest, resolve)
+            finally:
+                self.tags.end_commit(open_tag, published=future.exception() is None)
+            return
+        try:
+            result = commit_local(open_tag, self.writer, self.catalog, started, latest)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the commit
+            self.tags.end_commit(open_tag, published=False)
+            future.set_exception(exc)
+        else:
+            self.tags.end_commit(open_tag, published=True)
+            future.set_result(result)
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load(
+        self, name: str, tag: str | None, map_location: MapLocation, verify: bool
+    ) -> concurrent.futures.Future[Any]:
+        """Load file ``name`` of committed ``tag`` on the load thread; the future of it."""
+        if not self._running or self._loads is None:
+            raise ClosedError("the checkpoint engine is not running")
+        remote = in_writer(self.writer)
+        return self._loads.submit(
+            load_file, self.directory, name, tag, map_location, verify, remote
+        )
+
+    # -- close ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish the commits in flight, stop the threads and the writer, release everything.
+
+        Blocks. Tags saved but never committed are discarded (logged at WARNING). Raises
+        the failure of a commit nobody saw fail, once everything is released.
+        """
+        if self._closed:
+            return
+        self._closed, self._running = True, False
+        open_tags = self.tags.close()
+        try:
+            commits = [t.commit for t in open_tags if t.commit is not None]
+            _, late = concurrent.futures.wait(commits, timeout=self._close_timeout)
+            if late:
+                logger.warning(
+                    "closing with %d commits still running after close_timeout=%s s",
+                    len(late),
+                    self._close_timeout,
+                )
+            if self._pipeline is not None:
+                self._pipeline.close()  # no copy touches staging memory after this
+            for open_tag in open_tags:
+                if open_tag.commit is None and open_tag.files:
+                    logger.warning(
+                        "checkpoint %r was saved but never committed; discarded", open_tag.tag
+                    )
+        finally:
+            self._release(open_tags)
+        self.tags.raise_background()
+
+    def _release(self, open_tags: list[OpenTag]) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.stop()  # the writer drains what was sent first
+                self.writer.release()
+        finally:
+            try:
+                if self._ranks is not None:  # tell the peers; never wait on a dead one
+                    dead = self.writer is not None and self.writer.death is not None
+                    self._ranks.close(writer_died=dead)
+            finally:
+                if self._commits is not None:
+                    self._commits.shutdown(wait=False)
+                self.catalog.close()
+                for open_tag in open_tags:
+                    if open_tag.commit is None:
+                        _format.remove_tree(open_tag.tmpdir)
+                self.tags.release()
+                if self._loads is not None:
+                    self._loads.shutdown(wait=False)
+                if self._lock is not None:
+                    self._lock.release()  # last: nothing of this engine writes any more

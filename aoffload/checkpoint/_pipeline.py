@@ -1,0 +1,142 @@
+"""The staging pipeline: what happens to a file between ``stage()`` and the writer, on threads.
+
+``stage()`` (:meth:`Pipeline.stage`, on the caller's thread) records what soundness needs
+before it returns (each tensor's version counter, an event on each CUDA device's current
+stream) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
+
+1. plans the state (:func:`._plan.plan`: the pickled skeleton, the tensors' layout);
+2. waits for its tag's staging slot (:meth:`._tags.Tags.wait_slot`: backpressure), and
+   reserves a region of it; a new shared-memory segment is mapped by the writer at once
+   (its name is unlinked as soon as both processes map it);
+3. hands the copy to the :class:`~._copy.CopyPool`, whose threads copy in GIL-free chunks
+   and check every tensor's version counter against the one recorded at ``stage()``;
+
+and the last copy thread out hands the file to the writer (one :class:`WriteFile` call
+through the thread-safe :class:`~aoffload._runtime.core.WorkerCore`) and resolves the
+job's ``staged`` future. No step waits for the event loop: after a step that blocks the
+loop longer than the copy, ``await staged`` finds it done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any
+
+from .._runtime.core import WorkerCore
+from .._runtime.threads import DaemonThreadExecutor
+from ._copy import CopyPool, Events, stage_events
+from ._plan import Plan, Versions, plan, versions
+from ._staging import Region, Segment
+from ._tags import FileJob, Tags
+from .writer._calls import FileRecord, MapSegment, TensorRecord, WriteFile
+
+__all__ = ["Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """The stage thread and the copy pool of one engine."""
+
+    def __init__(self, tags: Tags, writer: WorkerCore) -> None:
+        self._tags = tags
+        self._writer = writer
+        self._thread = DaemonThreadExecutor("aoffload-stage")
+        self._pool = CopyPool()
+        self._copies: set[concurrent.futures.Future[float]] = set()
+
+    def stage(self, job: FileJob, state: object) -> None:
+        """Start staging ``state`` as ``job`` (the caller's thread; O(entries), never O(bytes))."""
+        recorded = versions(state)
+        events = stage_events()
+        self._thread.submit(self._run, job, state, recorded, events)
+
+    # -- the stage thread ----------------------------------------------------------------
+
+    def _run(self, job: FileJob, state: object, recorded: Versions, events: Events) -> None:
+        try:
+            planned = job.plan = plan(state, job.name, recorded)
+            del state
+            slot = self._tags.wait_slot(job.open_tag)
+            region, segment = slot.allocate(planned.nbytes)
+            if segment is not None:
+                self._map(segment)
+            copy = self._pool.copy(region, planned, events, job.name)
+        except BaseException as exc:  # noqa: BLE001 - the job's futures carry it
+            self._tags.failed(job, exc)
+            return
+        self._copies.add(copy)
+        copy.add_done_callback(lambda done: self._hand_off(job, planned, region, done))
+
+    def _map(self, segment: Segment) -> None:
+        """Have the writer map ``segment``; drop its name once both processes map it."""
+
+        def mapped(_: object, error: BaseException | None) -> None:
+            segment.unlink()  # mapped in both (or the writer is gone, which fails the write)
+
+        try:
+            self._writer.submit_callback(MapSegment(segment.path, segment.size), mapped)
+        except BaseException:
+            segment.unlink()
+            raise
+
+    # -- the last copy thread ------------------------------------------------------------
+
+    def _hand_off(
+        self,
+        job: FileJob,
+        planned: Plan,
+        region: Region,
+        copy: concurrent.futures.Future[float],
+    ) -> None:
+        self._copies.discard(copy)
+        try:
+            seconds = copy.result()
+            self._tags.add_seconds(job.open_tag, seconds)
+            records = tuple(
+                TensorRecord(
+                    region.offset + offset,
+                    tensor.numel() * tensor.element_size(),
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    tensor.requires_grad,
+                )
+                for tensor, offset in zip(planned.tensors, planned.offsets, strict=True)
+            )
+            message = WriteFile(
+                str(job.open_tag.tmpdir / job.name),
+                region.segment.path,
+                region.offset,
+                planned.skeleton_nbytes,
+                records,
+            )
+
+            def written(record: Any, error: BaseException | None) -> None:
+                if error is not None:
+                    job.written.set_exception(error)
+                elif isinstance(record, FileRecord):
+                    job.written.set_result(record)
+                else:
+                    job.written.set_exception(TypeError(f"the writer answered {record!r}"))
+
+            self._writer.submit_callback(message, written)
+        except BaseException as exc:  # noqa: BLE001 - the job's futures carry it
+            self._tags.failed(job, exc)
+            return
+        job.staged.set_result(None)
+
+    # -- close ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Let the jobs queued end (those waiting for room fail), join every thread.
+
+        Blocks; after it, nothing copies into staging memory any more.
+        """
+        self._thread.shutdown(wait=True)
+        for copy in list(self._copies):
+            try:
+                copy.result()
+            except BaseException:  # noqa: BLE001 - reported by the job's own futures
+                logger.debug("a copy ended with an error while the engine closed")
+        self._pool.shutdown()
