@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import resource
@@ -111,6 +112,34 @@ def disk_full(rank: int, world: int, directory: Path, victim: int) -> dict[str, 
             await engine.aclose()
 
     return aoffload.run(main())
+
+
+def blocked_loop(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """Rank 1's loop is blocked in a step longer than commit_timeout; rank 0 commits."""
+
+    async def main() -> dict[str, Any]:
+        async with aoffload.CheckpointEngine(
+            directory, distributed=True, commit_timeout=BLOCKED_TIMEOUT
+        ) as engine:
+            await engine.save(shard(rank, 1), f"shard-{rank}.pt", tag="step-1")
+            engine.commit_soon("step-1")
+            latest_seen = ""
+            if rank == 1:
+                # A synchronous step that never awaits: the loop does not turn for longer
+                # than commit_timeout, yet this rank's commit reports and completes.
+                deadline = time.monotonic() + 2 * BLOCKED_TIMEOUT
+                while time.monotonic() < deadline and latest_seen != "step-1\n":
+                    time.sleep(0.01)  # noqa: ASYNC251 - the blocked step itself
+                    with contextlib.suppress(FileNotFoundError):
+                        latest_seen = (directory / "latest").read_text()
+                time.sleep(BLOCKED_TIMEOUT)  # noqa: ASYNC251 - longer than commit_timeout
+            result = await engine.commit("step-1")
+        return {"files": sorted(result.files), "latest_seen": latest_seen.strip()}
+
+    return aoffload.run(main())
+
+
+BLOCKED_TIMEOUT = 4.0
 
 
 def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:

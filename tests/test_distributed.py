@@ -19,6 +19,7 @@ SCENARIOS: list[list[Any]] = [
     ["writer_killed", {"victim": 1}],
     ["disk_full", {"victim": 1}],
     ["late_start", {}],
+    ["blocked_loop", {}],
     ["random_kills", {"rounds": 10}],
 ]
 
@@ -56,6 +57,16 @@ def test_every_rank_commits_one_manifest_and_agrees(two_ranks: Any) -> None:
     assert complete_tags(directory) == ["step-1", "step-2", "step-4"]
     assert (directory / "latest").read_text().strip() == "step-4"
     assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+def test_a_rank_whose_loop_is_blocked_still_reports_and_commits(two_ranks: Any) -> None:
+    directory, results = scenario(two_ranks, "blocked_loop")
+    # Rank 0 published while rank 1's loop was still blocked in its step, although that
+    # step outlasted commit_timeout: rank 1 reported from its commit thread.
+    assert results[1]["latest_seen"] == "step-1"
+    for result in results:
+        assert result["files"] == ["shard-0.pt", "shard-1.pt"]
+    assert complete_tags(directory) == ["step-1"]
 
 
 def test_a_file_name_clash_fails_on_every_rank(two_ranks: Any) -> None:
