@@ -178,12 +178,15 @@ class Tags:
             open_tag.stage_seconds += seconds
 
     def failed(self, job: FileJob, error: BaseException) -> None:
-        """A file's staging failed: its name is free again; its error waits to be seen."""
+        """A file's staging failed: its name is free again; its error waits to be seen.
+
+        Once the tag is being committed, the file stays listed: the commit raises its error.
+        """
         with self._cond:
             open_tag = job.open_tag
-            if open_tag.files.get(job.name) is job:
-                del open_tag.files[job.name]
             if open_tag.state is TagState.OPEN:
+                if open_tag.files.get(job.name) is job:
+                    del open_tag.files[job.name]
                 open_tag.failures[job.name] = error
         job.written.set_exception(error)
         job.staged.set_exception(error)
