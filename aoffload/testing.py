@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from ._runtime.census import child_pids, is_resource_tracker, staging_segments
+from ._runtime.census import staging_segments, worker_pids
 from ._runtime.core import WorkerCore
 from .checkpoint import CheckpointEngine
 from .optimizer import CPUAdam
@@ -97,15 +97,16 @@ def loop_factories(
 
 @contextlib.contextmanager
 def no_leaked_workers(what: str) -> Iterator[None]:
-    """Fail the test if the block leaves a child process or a staging segment behind.
+    """Fail the test if the block leaves a worker, a child process or a staging segment behind.
 
-    Counts the child processes started inside the block that are still alive at its end
-    (multiprocessing's resource tracker excepted: it lives as long as this process) and
-    the ``/dev/shm`` staging segments this process made inside it.
+    Counts the workers and child processes started inside the block that are still alive
+    at its end, and the ``/dev/shm`` staging segments this process made inside it. Workers
+    are children of aoffload's worker server, which (like multiprocessing's resource
+    tracker) lives as long as this process by design and is not counted itself.
     """
-    children, segments = child_pids(), staging_segments()
+    children, segments = worker_pids(), staging_segments()
     yield
-    left = sorted(pid for pid in child_pids() - children if not is_resource_tracker(pid))
+    left = sorted(worker_pids() - children)
     shm = sorted(staging_segments() - segments)
     problems = []
     if left:
