@@ -124,7 +124,9 @@ class _Server:
 
     def _fork(self, request_id: int, fds: list[int]) -> None:
         try:
-            with warnings.catch_warnings():  # 3.12+ warns of native threads; see serve()
+            # Python 3.12+ warns of other threads: the one here is OpenBLAS's idle pool, which
+            # its own at-fork handler stops before the fork.
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
         except OSError as exc:
@@ -249,6 +251,7 @@ def main(timestamps: list[float]) -> None:
     if refusal is not None:
         logger.error("aoffload worker server: %s", refusal)  # on stderr (no handler here)
         sys.exit(3)
+    os.chdir("/")  # hold no mount busy; each worker moves to the trainer's directory
     server = _Server(control, _pidfd(trainer_pid))
     stamps = struct.pack(f"<i{len(timestamps) + 1}d", os.getpid(), *timestamps, time.monotonic())
     server._send(HELLO + stamps)

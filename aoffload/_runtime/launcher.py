@@ -70,6 +70,7 @@ class WorkerServer:
         self._children: dict[int, ForkedWorker] = {}
         self._retired = False
         self._socket: socket.socket | None = None
+        self._sending = 0
         self._spawned_at = 0.0
 
     @property
@@ -116,14 +117,24 @@ class WorkerServer:
 
     def send(self, request_id: int, fds: list[int]) -> None:
         """Ask for the fork of request ``request_id`` with the worker's ``fds``."""
-        with self._lock:  # the listener closes the socket under it
-            try:
-                if self.dead or self._socket is None:
-                    raise ConnectionError("the worker server is gone")
-                socket.send_fds(self._socket, [forkserver.FORK + _ID.pack(request_id)], fds)
-            except OSError:
+        with self._lock:
+            sock = None if self.dead else self._socket
+            if sock is None:
                 self._forking.pop(request_id, None)
-                raise
+                raise ConnectionError("the worker server is gone")
+            self._sending += 1  # the socket stays open until this send is done
+        try:
+            socket.send_fds(sock, [forkserver.FORK + _ID.pack(request_id)], fds)
+        except OSError:
+            with self._lock:
+                self._forking.pop(request_id, None)
+            raise
+        finally:
+            with self._lock:
+                self._sending -= 1
+                last = self.dead and not self._sending
+            if last:
+                sock.close()
 
     def retire(self) -> None:
         """Close the server now if it is idle, else once its last worker has exited."""
@@ -203,6 +214,8 @@ class WorkerServer:
             forking, self._forking = self._forking, {}
             children, self._children = self._children, {}
             retired = self._retired
+            idle = not self._sending
+        if idle:  # else the last send in flight closes it (a close under it could reuse the fd)
             sock.close()
         _forget(self)
         exitcode = None

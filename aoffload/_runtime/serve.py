@@ -129,7 +129,7 @@ def _set_name(name: str) -> None:
 
 
 def run_worker(requests_fd: int, replies_fd: int) -> None:
-    """A forked worker's life: read its :class:`Boot`, become the trainer's child as of the
+    """A forked worker's life: read its :class:`Boot`, take on the trainer's state as of the
     start, build the service, say READY, serve until Shutdown or the trainer's end.
 
     Once the service is closed and its last reply sent, the worker leaves with
