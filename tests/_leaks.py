@@ -40,7 +40,9 @@ class Snapshot:
     @classmethod
     def take(cls) -> Snapshot:
         """Read the counts now."""
-        shm = frozenset(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else frozenset()
+        # Only aoffload's names: other processes of a shared machine come and go in /dev/shm.
+        names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+        shm = frozenset(name for name in names if name.startswith("aoffload-"))
         return cls(
             children=frozenset(child_pids()),
             fds=_fds(),
