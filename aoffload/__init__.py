@@ -21,6 +21,7 @@ from .checkpoint import CheckpointEngine as CheckpointEngine
 from .checkpoint import CommitResult as CommitResult
 from .checkpoint import Staged as Staged
 from .checkpoint import load_checkpoint as load_checkpoint
+from .checkpoint import load_metadata as load_metadata
 from .optimizer import CPUAdam as CPUAdam
 from .optimizer import StepKind as StepKind
 from .optimizer import StepResult as StepResult
@@ -45,5 +46,6 @@ __all__ = (
     "WorkerError",
     "WorkerStartupError",
     "load_checkpoint",
+    "load_metadata",
     "run",
 )

@@ -21,5 +21,6 @@ from ._commit import CommitResult as CommitResult
 from ._engine import CheckpointEngine as CheckpointEngine
 from ._engine import Staged as Staged
 from ._load import load_checkpoint as load_checkpoint
+from ._load import load_metadata as load_metadata
 
-__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")
+__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint", "load_metadata")
