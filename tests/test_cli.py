@@ -232,6 +232,38 @@ def test_python_m_aoffload_runs_the_command_line(
     assert "step-20: 2 files" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("argv", "torch_imported"),
+    [
+        (["--help"], False),
+        (["ls", "{ckpt}"], False),
+        (["verify", "{ckpt}", "--all"], False),
+        (["clean", "--dry-run", "{ckpt}"], False),
+        (["inspect", "{ckpt}"], True),
+    ],
+    ids=["help", "ls", "verify", "clean", "inspect"],
+)
+def test_the_command_line_imports_torch_only_for_inspect(
+    ckpt: Path, argv: list[str], torch_imported: bool
+) -> None:
+    """As the console script runs it: `from aoffload._cli import main; sys.exit(main())`."""
+    code = (
+        "import sys\n"
+        "from aoffload._cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    args = [arg.format(ckpt=ckpt) for arg in argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    assert done.stdout.splitlines()[-1] == f"torch imported: {torch_imported}"
+
+
 def test_progress_bar_only_on_a_terminal_for_large_checkpoints() -> None:
     from aoffload._cli import PROGRESS_BYTES, _progress_bar
 

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import _format, _lock
 
@@ -160,6 +158,8 @@ class FileSummary:
 
 def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, str]:
     """Count the tensors under ``value`` (into ``summary``); return (count, kind)."""
+    import torch  # inspect alone needs torch: ls, verify and clean start without it
+
     count = 0
     stack = [value]
     while stack:
@@ -178,6 +178,8 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
 
 
 def _summarise(path: Path, name: str, weights_only: bool) -> FileSummary:
+    import torch
+
     summary = FileSummary(name)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
