@@ -67,10 +67,11 @@ def test_error_tree_matches_the_contract() -> None:
         assert issubclass(error, aoffload.AoffloadError)
 
 
-def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop() -> None:
+def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop_nor_lightning() -> None:
     code = (
         "import sys, aoffload; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'uvloop')))"
+        "print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('deepspeed', 'uvloop', 'lightning')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -300,17 +300,66 @@ class Catalog:
                 self._results.pop(tag, None)
                 self._metadata.pop(tag, None)
             try:
-                trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+                self._delete(tag)
             except OSError:
                 logger.exception("retention could not delete checkpoint %r; left in place", tag)
-                continue
-            # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
-            # close() waits for it.
-            if self._trash is None:
-                self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-            deletion = self._trash.submit(_format.remove_tree, trash)
-            self._deletions.add(deletion)
-            deletion.add_done_callback(self._deleted)
+
+    def _delete(self, tag: str) -> None:
+        """Rename ``tag`` out of the listing, then delete it in the background."""
+        trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+        # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
+        # close() waits for it.
+        if self._trash is None:
+            self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
+        deletion = self._trash.submit(_format.remove_tree, trash)
+        self._deletions.add(deletion)
+        deletion.add_done_callback(self._deleted)
+
+    def remove_after(
+        self,
+        tag: str,
+        earlier: list[concurrent.futures.Future[Any]],
+        before: Callable[[], None] | None,
+    ) -> bool:
+        """:meth:`remove` ``tag`` unless one of the ``earlier`` commits (ended by now: the
+        commit thread runs this after them) failed; ``before()`` runs first."""
+        failed = [f.exception() for f in earlier if f.done() and f.exception() is not None]
+        if failed:
+            logger.warning("checkpoint %r is kept: a newer commit failed (%s)", tag, failed[0])
+            return False
+        if not self.committed(tag):
+            return False
+        if before is not None:
+            before()
+        return self.remove(tag)
+
+    def remove(self, tag: str) -> bool:
+        """Delete committed ``tag`` now (the commit thread); whether it was committed.
+
+        Where ``latest`` names it, ``latest`` first moves (atomically) to the newest other
+        committed tag, or goes: it never names a tag being deleted.
+        """
+        with self._lock:
+            if tag not in self._tags:
+                return False
+            self._tags.remove(tag)
+            self._results.pop(tag, None)
+            self._metadata.pop(tag, None)
+            moved = self.latest == tag
+            if moved:
+                self.latest = self._tags[-1] if self._tags else None
+        if moved:
+            pointer = self.directory / _format.LATEST
+            if self.latest is None:
+                pointer.unlink(missing_ok=True)
+            else:
+                temporary = self.directory / f".{_format.LATEST}.tmp"
+                _format.write_text(temporary, self.latest + "\n", self._durable)
+                temporary.replace(pointer)
+            if self._durable:
+                _format.fsync_path(self.directory)
+        self._delete(tag)
+        return True
 
     def _deleted(self, deletion: concurrent.futures.Future[None]) -> None:
         self._deletions.discard(deletion)

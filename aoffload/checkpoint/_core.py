@@ -30,6 +30,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +302,25 @@ class EngineCore:
         :class:`CheckpointError` when ``tag`` is not committed or nothing is.
         """
         return self.catalog.metadata(None if tag is None else _format.validate_tag(tag))
+
+    def remove(
+        self, tag: str, before: Callable[[], None] | None = None
+    ) -> concurrent.futures.Future[bool]:
+        """Delete committed ``tag`` once the commits requested before this call have ended.
+
+        Runs on the commit thread, after those commits: a checkpoint is deleted only
+        once the newer ones are durable. If one of them failed, ``tag`` is kept (logged
+        at WARNING) and the future resolves to ``False``; likewise when ``tag`` is not
+        committed. ``before()`` runs on the commit thread just before the deletion. Where
+        ``latest`` names ``tag``, it moves to the newest other tag first.
+        """
+        self.tags.raise_background()
+        self.check_running()
+        tag = _format.validate_tag(tag)
+        if self._commits is None:
+            raise ClosedError("the checkpoint engine is not running")
+        earlier = self.tags.commits()
+        return self._commits.submit(self.catalog.remove_after, tag, earlier, before)
 
     # -- load ----------------------------------------------------------------------------
 

@@ -328,6 +328,11 @@ class Tags:
             self._queued.clear()
         self._slots.close()
 
+    def commits(self) -> list[concurrent.futures.Future[Any]]:
+        """The futures of the commits requested and not yet ended, oldest first."""
+        with self._cond:
+            return [t.commit for t in self._open.values() if t.commit is not None]
+
     def open_tags(self) -> list[str]:
         """The tags in flight, in the order they were opened."""
         with self._cond:
