@@ -46,7 +46,7 @@ async def train(directory: Path, steps: int, save_every: int, kill_at: int | Non
             saved = await engine.load("model.pt")
             model.load_state_dict(saved["model"])
             await opt.load_state_dict(await engine.load("optim.pt"))
-            start = saved["step"]
+            start = engine.metadata()["step"]  # <- stored with the commit, in the manifest
             print(f"resumed from {engine.latest()}", flush=True)
 
         for step in range(start, steps):
@@ -64,11 +64,9 @@ async def train(directory: Path, steps: int, save_every: int, kill_at: int | Non
                 os.kill(os.getpid(), signal.SIGKILL)  # <- no clean-up of any kind
             if (step + 1) % save_every == 0:
                 tag = f"step-{step + 1}"
-                await engine.save(
-                    {"model": model.state_dict(), "step": step + 1}, "model.pt", tag=tag
-                )
+                await engine.save({"model": model.state_dict()}, "model.pt", tag=tag)
                 await engine.save(await opt.state_dict(), "optim.pt", tag=tag)  # <- moments
-                await engine.commit(tag)
+                await engine.commit(tag, metadata={"step": step + 1, "loss": loss.item()})
 
 
 def main() -> None:
