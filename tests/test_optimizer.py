@@ -301,7 +301,8 @@ async def test_break_leaves_the_rest_for_later() -> None:
 
 async def test_cancelled_wait_leaves_the_optimizer_usable() -> None:
     async with CPUAdam([{"lr": 0.1}], backend="torch", worker_cores=None) as opt:
-        p, g = torch.randn(1 << 20), torch.randn(1 << 20)
+        # Made off the loop: the guard would time the test's own 8 MB of randn.
+        p, g = await asyncio.to_thread(lambda: (torch.randn(1 << 20), torch.randn(1 << 20)))
         await opt.register(0, 0, p, g)
         for _ in range(20):
             opt.submit(0, 0, p, g)
