@@ -38,14 +38,21 @@ _FUSED_ADAMW: Any = getattr(torch, "_fused_adamw_", None)
 class _Moments:
     """Optimizer state of one sub-group in the torch backend."""
 
-    __slots__ = ("exp_avg", "exp_avg_sq", "grad", "param", "step")
+    __slots__ = ("exp_avg", "exp_avg_sq", "grad", "param", "pieces", "step")
 
-    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def __init__(
+        self, param: torch.Tensor, grad: torch.Tensor, pieces: tuple[tuple[int, int], ...]
+    ) -> None:
         self.param = param
         self.grad = grad
+        self.pieces = pieces
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
         self.step = 0
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` as the separate tensors laid out in it (see ``Register.pieces``)."""
+        return [flat[o : o + n] for o, n in self.pieces] if self.pieces else [flat]
 
 
 class Backup:
@@ -74,9 +81,14 @@ class TorchBackend:
         self._step_count = torch.zeros((), dtype=torch.float32)
 
     def register(
-        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+        self,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        pieces: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        self._subgroups[group_id, subgroup_id] = _Moments(param.view(-1), grad.view(-1))
+        self._subgroups[group_id, subgroup_id] = _Moments(param.view(-1), grad.view(-1), pieces)
         if self._scratch.numel() < param.numel():
             self._scratch = torch.empty(param.numel(), dtype=torch.float32)
 
@@ -140,10 +152,14 @@ class TorchBackend:
         param, grad, exp_avg, exp_avg_sq = state.param, state.grad, state.exp_avg, state.exp_avg_sq
         beta1, beta2 = group.beta1, group.beta2
         if _FUSED_ADAMW is not None and group.bias_correction:
-            # One pass over memory instead of six: torch's fused AdamW kernel, same formula.
+            # One pass over memory instead of six: torch's fused AdamW kernel, same formula,
+            # over the same tensors as torch.optim.AdamW(fused=True) (its vectorised loop and
+            # scalar tail round differently: the pieces keep the results bit-identical).
             self._step_count.fill_(state.step)
+            split = state.split
             _FUSED_ADAMW(
-                [param], [grad], [exp_avg], [exp_avg_sq], [], [self._step_count],
+                split(param), split(grad), split(exp_avg), split(exp_avg_sq), [],
+                [self._step_count] * max(1, len(state.pieces)),
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group.weight_decay,
                 eps=group.eps, amsgrad=False, maximize=False,
             )  # fmt: skip
@@ -239,27 +255,20 @@ class DeepSpeedBackend:
             bias_correction=first.bias_correction,
             amsgrad=False,
         )
-        for group in groups[1:]:
-            self._optimizer.add_param_group(
-                {
-                    "params": [torch.nn.Parameter(torch.zeros(1))],
-                    "lr": group.lr,
-                    "betas": (group.beta1, group.beta2),
-                    "eps": group.eps,
-                    "weight_decay": group.weight_decay,
-                    "bias_correction": group.bias_correction,
-                    "amsgrad": False,
-                }
-            )
-        for param_group in self._optimizer.param_groups:
-            param_group["params"] = []
+        self._optimizer.param_groups[0]["params"] = []
+        self.set_groups(groups)
         self._params: dict[tuple[int, int], torch.nn.Parameter] = {}
         self._kernel: Kernel = (0, 0, _f32(first.beta1), _f32(first.beta2))  # a new op's state
 
     def register(
-        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+        self,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        pieces: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        holder = torch.nn.Parameter(param, requires_grad=False)
+        holder = torch.nn.Parameter(param, requires_grad=False)  # one tensor: pieces unused
         holder.grad = grad
         self._params[group_id, subgroup_id] = holder
 
@@ -280,14 +289,22 @@ class DeepSpeedBackend:
         )
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> None:
-        for param_group, group in zip(self._optimizer.param_groups, groups, strict=True):
-            param_group.update(
-                lr=group.lr,
-                betas=(group.beta1, group.beta2),
-                eps=group.eps,
-                weight_decay=group.weight_decay,
-                bias_correction=group.bias_correction,
-            )
+        param_groups = self._optimizer.param_groups
+        for index, group in enumerate(groups):
+            hyper = {
+                "lr": group.lr,
+                "betas": (group.beta1, group.beta2),
+                "eps": group.eps,
+                "weight_decay": group.weight_decay,
+                "bias_correction": group.bias_correction,
+            }
+            if index < len(param_groups):
+                param_groups[index].update(hyper)
+            else:  # a group added since: DeepSpeed takes a group with a param, then we drop it
+                placeholder = torch.nn.Parameter(torch.zeros(1))
+                hyper.update(params=[placeholder], amsgrad=False)
+                self._optimizer.add_param_group(hyper)
+                param_groups[index]["params"] = []
 
     def kernel(self) -> Kernel | None:
         return self._kernel

@@ -28,6 +28,7 @@ __all__ = [
     "Load",
     "Register",
     "Release",
+    "SetGroups",
     "Snapshot",
     "StateInfo",
     "Step",
@@ -83,6 +84,19 @@ class Register(Call[None]):
     subgroup_id: int
     param: torch.Tensor
     grad: torch.Tensor
+    pieces: tuple[tuple[int, int], ...] = ()
+    """``(offset, numel)`` of separate tensors laid out in the flat ``param`` (OffloadAdam's
+    parameters); the torch backend steps them as a list, exactly as ``torch.optim.AdamW``
+    steps separate tensors. Empty: one tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class SetGroups(Call[None]):
+    """Trainer -> worker: replace every group's hyper-parameters (more groups: added ones).
+
+    Served in order: the steps sent after it use the new values."""
+
+    groups: tuple[GroupConfig, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, Step
+from ._calls import AdamConfig, GetInfo, GroupConfig, SetGroups, Step
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._service import TARGET
 from ._state import StateTransfer, parse
@@ -258,6 +258,17 @@ class OptimizerCore:
             outcomes.fire(fired)
             raise
 
+    def set_groups(self, groups: tuple[GroupConfig, ...]) -> concurrent.futures.Future[None]:
+        """Replace the groups' hyper-parameters (or add groups) for the steps sent after this;
+        from any thread, never blocks. Fewer groups than now is an error. The future is
+        answered before any step sent after it."""
+        worker = self.check_running()
+        if len(groups) < len(self.groups):
+            raise OptimizerError(f"cannot drop param groups ({len(self.groups)} -> {len(groups)})")
+        done = worker.submit(SetGroups(groups))
+        self.groups = groups
+        return done
+
     def wait_subgroup(self, key: tuple[int, int], timeout: float | None = None) -> bool:
         """Block until sub-group ``key`` has no step in flight; whether it has none."""
         sub = self.registry.subgroups.get(key)
@@ -274,10 +285,16 @@ class OptimizerCore:
     # -- registration and state ----------------------------------------------------------
 
     def register(
-        self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
+        self,
+        group_id: int,
+        subgroup_id: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        pieces: tuple[tuple[int, int], ...] = (),
     ) -> concurrent.futures.Future[None]:
         """Move ``param`` and ``grad`` to shared memory on the helper thread and register
-        them; the future resolves once the worker holds them. Checks run here, first."""
+        them; the future resolves once the worker holds them. Checks run here, first.
+        ``pieces``: see :class:`~._calls.Register`."""
         self.check_running()
         registry = self.registry
         param_t, grad_t = validate(
@@ -294,7 +311,9 @@ class OptimizerCore:
             try:
                 share(param_t, grad_t)
                 worker = self.check_running()
-                _, call = registry.register(worker, (group_id, subgroup_id), param_t, grad_t)
+                _, call = registry.register(
+                    worker, (group_id, subgroup_id), param_t, grad_t, pieces
+                )
             except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
                 done.set_exception(exc)
                 return

@@ -37,42 +37,22 @@ results, when what it waits for holds.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from .._errors import ClosedError, WorkerDiedError
 from .._runtime.resource import AsyncResource, State
-from .._runtime.threads import LoopInbox, mark_retrieved, run_in_thread
+from .._runtime.threads import run_in_thread
 from ._core import OptimizerCore
 from ._results import Pending, StepResult, StepResults, Wait
 from ._subgroups import check_options
+from ._waits import LoopWaits
 
 __all__ = ["CPUAdam"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-def _settle(source: concurrent.futures.Future[T], target: asyncio.Future[T]) -> None:
-    if target.done():
-        return  # the wait was cancelled: the outcome is dropped
-    error = source.exception()
-    if error is None:
-        target.set_result(source.result())
-    else:
-        target.set_exception(error)
-        if isinstance(error, (WorkerDiedError, ClosedError)):
-            mark_retrieved(target)  # logged where it happened: an abandoned wait stays quiet
 
 
 class CPUAdam(AsyncResource):
@@ -120,7 +100,7 @@ class CPUAdam(AsyncResource):
             close_timeout=close_timeout,
         )
         self._start_timeout = start_timeout
-        self._inbox: LoopInbox | None = None
+        self._waits = LoopWaits()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -142,7 +122,7 @@ class CPUAdam(AsyncResource):
 
     async def _open(self) -> None:
         """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
-        self._inbox = LoopInbox(asyncio.get_running_loop())
+        self._waits.bind(asyncio.get_running_loop())
         await run_in_thread(self._core.start, self._start_timeout, name="aoffload-cpu-adam-start")
         self._core.pin()
 
@@ -171,7 +151,7 @@ class CPUAdam(AsyncResource):
         caller is the loop).
         """
         self.check_running()
-        await self._wait(self._core.register(group_id, subgroup_id, param, grad))
+        await self._waits.result(self._core.register(group_id, subgroup_id, param, grad))
 
     def submit(
         self,
@@ -222,7 +202,8 @@ class CPUAdam(AsyncResource):
         """
         outcomes = self._core.outcomes
         while not outcomes.idle():
-            await self._until(outcomes.idle)  # one wake-up, when the last step is done
+            # One wake-up, when the last step is done.
+            await self._waits.until(outcomes, outcomes.idle)
         return outcomes.collect()
 
     async def _next_result(self, *, follow: bool) -> Pending | None:
@@ -232,36 +213,7 @@ class CPUAdam(AsyncResource):
             pending = outcomes.next(follow=follow)
             if pending is not Wait.WAIT:
                 return pending
-            await self._until(ready)
-
-    def _loop_inbox(self) -> LoopInbox:
-        loop = asyncio.get_running_loop()
-        if self._inbox is None or self._inbox.loop is not loop:
-            return LoopInbox(loop)  # a wait on another loop than the one it started on
-        return self._inbox
-
-    async def _until(self, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()`` holds; the thread whose change made it true wakes the loop."""
-        inbox = self._loop_inbox()
-        waiter: asyncio.Future[None] = inbox.loop.create_future()
-
-        def fire() -> None:
-            inbox.post(_wake, waiter)
-
-        if not self._core.outcomes.watch(ready, fire):
-            return
-        try:
-            await waiter
-        finally:
-            if waiter.cancelled():
-                self._core.outcomes.unwatch(fire)
-
-    async def _wait(self, future: concurrent.futures.Future[T]) -> T:
-        """Await a core future; its outcome reaches the loop through the inbox."""
-        inbox = self._loop_inbox()
-        waiter: asyncio.Future[T] = inbox.loop.create_future()
-        future.add_done_callback(lambda done: inbox.post(_settle, done, waiter))
-        return await waiter
+            await self._waits.until(outcomes, ready)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -276,7 +228,7 @@ class CPUAdam(AsyncResource):
         change them, and :meth:`CheckpointEngine.save` takes them as they are.
         """
         self.check_running()
-        return await self._wait(self._core.state_dict())
+        return await self._waits.result(self._core.state_dict())
 
     async def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the optimizer state with ``state_dict`` (from :meth:`state_dict`).
@@ -292,4 +244,4 @@ class CPUAdam(AsyncResource):
         not survive a load: a rollback needs a step after it.
         """
         self.check_running()
-        await self._wait(self._core.load_state_dict(state_dict))
+        await self._waits.result(self._core.load_state_dict(state_dict))

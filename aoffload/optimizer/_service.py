@@ -27,6 +27,7 @@ from ._calls import (
     Load,
     Register,
     Release,
+    SetGroups,
     Snapshot,
     StateInfo,
     Step,
@@ -87,6 +88,7 @@ class AdamService(Service):
             Release: self._release,
             Snapshot: self._snapshot,
             Load: self._load,
+            SetGroups: self._set_groups,
         }
 
     def _register(self, request: Register) -> None:
@@ -98,7 +100,7 @@ class AdamService(Service):
                 f"sub-group {key[1]} of group {key[0]} has {numel} elements but the loaded "
                 f"state holds {waiting[1].numel()}"
             )
-        self._backend.register(*key, request.param, request.grad)
+        self._backend.register(*key, request.param, request.grad, request.pieces)
         self._registered[key] = numel
         if self._exact:
             self._backups[key] = Backup(numel)
@@ -163,6 +165,9 @@ class AdamService(Service):
                 self._waiting[key] = (step, exp_avg.clone(), exp_avg_sq.clone())
         for backup in self._backups.values():
             backup.valid = False  # the pre-step copies belong to the state replaced
+
+    def _set_groups(self, request: SetGroups) -> None:
+        self._backend.set_groups(request.groups)
 
     def _info(self, request: GetInfo) -> Info:
         return Info(self._backend.name, torch.get_num_threads(), self._cores)

@@ -233,7 +233,12 @@ class Registry:
             )
 
     def register(
-        self, worker: WorkerCore, key: tuple[int, int], param: torch.Tensor, grad: torch.Tensor
+        self,
+        worker: WorkerCore,
+        key: tuple[int, int],
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        pieces: tuple[tuple[int, int], ...] = (),
     ) -> tuple[SubGroup, concurrent.futures.Future[None] | None]:
         """Hand the shared ``param`` and ``grad`` to the worker as sub-group ``key``.
 
@@ -246,7 +251,7 @@ class Registry:
                 return known, None
             self.check_not_loading()
             self.check_loaded(*key, param)
-            future = worker.submit(Register(*key, param.detach(), grad.detach()))
+            future = worker.submit(Register(*key, param.detach(), grad.detach(), pieces))
             future.add_done_callback(mark_retrieved)  # a failed register fails its first step
             self.loaded.pop(key, None)
             sub = self.subgroups[key] = SubGroup(param, grad)
