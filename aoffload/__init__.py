@@ -30,7 +30,9 @@ if _typing.TYPE_CHECKING:
     from .checkpoint import load_checkpoint as load_checkpoint
     from .checkpoint import load_metadata as load_metadata
     from .optimizer import CPUAdam as CPUAdam
+    from .optimizer import OffloadAdam as OffloadAdam
     from .optimizer import StepKind as StepKind
+    from .optimizer import StepReport as StepReport
     from .optimizer import StepResult as StepResult
 else:
     _LAZY = {
@@ -38,7 +40,9 @@ else:
             ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint", "load_metadata"),
             ".checkpoint",
         ),
-        **dict.fromkeys(("CPUAdam", "StepKind", "StepResult"), ".optimizer"),
+        **dict.fromkeys(
+            ("CPUAdam", "OffloadAdam", "StepKind", "StepReport", "StepResult"), ".optimizer"
+        ),
     }
 
     def __getattr__(name: str) -> object:
@@ -64,10 +68,12 @@ __all__ = (
     "CommitResult",
     "CorruptCheckpointError",
     "InvalidStateError",
+    "OffloadAdam",
     "OptimizerError",
     "RemoteError",
     "Staged",
     "StepKind",
+    "StepReport",
     "StepResult",
     "WorkerDiedError",
     "WorkerError",

@@ -8,12 +8,17 @@
 - :mod:`._subgroups`, :mod:`._state`: sub-group registration and the state-dict transfer;
 - :mod:`._calls`: the configuration and typed calls sent to the worker;
 - :mod:`._service`: the worker service; :mod:`._backends`: its torch and DeepSpeed math;
-- :mod:`._affinity`: splitting the process's CPUs between trainer and worker.
+- :mod:`._affinity`: splitting the process's CPUs between trainer and worker;
+- :mod:`._offload_adam`: :class:`OffloadAdam`, a ``torch.optim`` optimizer on that core,
+  with :mod:`._offloader` (buckets, hooks, submits), :mod:`._buckets`, :mod:`._offload_step`
+  (the speculative step), :mod:`._offload_state` (its state dict) and :mod:`._cuda`.
 """
 
 from ._cpu_adam import CPUAdam as CPUAdam
+from ._offload_adam import OffloadAdam as OffloadAdam
+from ._offload_step import StepReport as StepReport
 from ._results import StepKind as StepKind
 from ._results import StepResult as StepResult
 from ._results import StepResults as StepResults
 
-__all__ = ("CPUAdam", "StepKind", "StepResult", "StepResults")
+__all__ = ("CPUAdam", "OffloadAdam", "StepKind", "StepReport", "StepResult", "StepResults")
