@@ -376,9 +376,13 @@ class OffloadAdam(torch.optim.Optimizer):
         """:meth:`step` for asyncio: the same flow, awaited, never blocking the loop.
 
         The results are recorded by the worker's reader thread while the loop is busy;
-        the loop wakes once per burst. Cancelling the await lets the step finish on a
-        thread (the next step, and the next backward's hooks, wait for it). Returns what
-        the step did (also :attr:`last_step`).
+        the loop wakes once per burst. Returns what the step did (also :attr:`last_step`).
+
+        Cancelling it lets the step finish first (the parameters must be updated before
+        the next forward), then raises :class:`asyncio.CancelledError`. A second
+        cancellation abandons the wait: the step finishes on a thread, and the next step
+        and the next backward's hooks wait for it, but a forward run meanwhile would see
+        the parameters of before the step.
         """
         outcomes = self._running_core().outcomes
         unfinished = self._take_unfinished()
@@ -387,21 +391,28 @@ class OffloadAdam(torch.optim.Optimizer):
             unfinished.result()
         flow = step_flow(self._off)
         need: object = None
+        cancelled = False
         try:
             need = next(flow)
             while True:
-                if need is OUTCOMES:
-                    await self._waits.until(outcomes, outcomes.has_next)
-                elif isinstance(need, concurrent.futures.Future):
-                    await self._waits.done(need)
+                try:
+                    if need is OUTCOMES:
+                        await self._waits.until(outcomes, outcomes.has_next)
+                    elif isinstance(need, concurrent.futures.Future):
+                        await self._waits.done(need)
+                except asyncio.CancelledError:
+                    if cancelled:
+                        self._finish_later(outcomes, flow, need)
+                        raise
+                    cancelled = True  # finish the step, then raise
+                    continue
                 need = flow.send(None)
         except StopIteration as stop:
             report: StepReport = stop.value
-        except asyncio.CancelledError:
-            self._finish_later(outcomes, flow, need)
-            raise
         self._last = report
         self._opt_called = True  # what torch's LR schedulers check to know a step ran
+        if cancelled:
+            raise asyncio.CancelledError
         return report
 
     def _finish_later(self, outcomes: Outcomes, flow: Flow, need: object) -> None:
