@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -227,12 +228,21 @@ class CPUAdam(AsyncResource):
 
     async def _next_result(self, *, follow: bool) -> Pending | None:
         outcomes = self._core.outcomes
-        ready = outcomes.has_next_following if follow else outcomes.has_next
-        while True:
-            pending = outcomes.next(follow=follow)
+        pending = outcomes.next(follow=follow)
+        while pending is Wait.WAIT:
+            inbox = self._loop_inbox()
+            waiter: asyncio.Future[None] = inbox.loop.create_future()
+            fire = functools.partial(inbox.post, _wake, waiter)
+            pending = outcomes.next(follow=follow, fire=fire)  # a race lost: no wait
             if pending is not Wait.WAIT:
-                return pending
-            await self._until(ready)
+                break
+            try:
+                await waiter
+            finally:
+                if waiter.cancelled():
+                    outcomes.unwatch(fire)
+            pending = outcomes.next(follow=follow)
+        return pending
 
     def _loop_inbox(self) -> LoopInbox:
         loop = asyncio.get_running_loop()
