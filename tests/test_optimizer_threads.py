@@ -18,6 +18,7 @@ from aoffload.optimizer._core import OptimizerCore
 from aoffload.optimizer._subgroups import check_options
 
 from ._leaks import Snapshot
+from .test_optimizer import settled
 
 STEPS = 24
 
@@ -195,6 +196,8 @@ def _sync_lifecycle() -> None:
 
 def test_the_core_runs_with_no_event_loop_at_all() -> None:
     _sync_lifecycle()  # warms process-wide singletons (multiprocessing's fd sharer)
+    threads = set(threading.enumerate())
     before = Snapshot.take()
     _sync_lifecycle()
+    settled(threads)
     assert Snapshot.take().leaked_since(before) == []

@@ -120,6 +120,8 @@ class OptimizerCore:
             worker = WorkerCore(TARGET, config, name="cpu-adam", close_timeout=self._close_timeout)
             self.worker = worker
             worker.spawn()
+            # Started here, off the loop: a thread's start waits until the OS runs it.
+            self._helper = DaemonThreadExecutor("aoffload-cpu-adam-helper")
         try:
             worker.ready.result(timeout)
         except concurrent.futures.TimeoutError:

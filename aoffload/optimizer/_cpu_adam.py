@@ -46,7 +46,7 @@ import torch
 from .._runtime.resource import AsyncResource, State
 from .._runtime.threads import run_in_thread
 from ._core import OptimizerCore
-from ._results import Pending, StepResult, StepResults, Wait
+from ._results import Pending, StepResult, StepResults
 from ._subgroups import check_options
 from ._waits import LoopWaits
 
@@ -207,13 +207,7 @@ class CPUAdam(AsyncResource):
         return outcomes.collect()
 
     async def _next_result(self, *, follow: bool) -> Pending | None:
-        outcomes = self._core.outcomes
-        ready = outcomes.has_next_following if follow else outcomes.has_next
-        while True:
-            pending = outcomes.next(follow=follow)
-            if pending is not Wait.WAIT:
-                return pending
-            await self._waits.until(outcomes, ready)
+        return await self._waits.next(self._core.outcomes, follow=follow)
 
     # -- state ---------------------------------------------------------------------------
 

@@ -147,11 +147,18 @@ class Outcomes:
         whose predicate now holds; the caller runs them once it released the lock."""
         if self._blocked:
             self._changed.notify_all()
-        if not self._watchers:
+        watchers = self._watchers
+        if not watchers:
             return []
-        fired = [fire for ready, fire in self._watchers if ready()]
+        if len(watchers) == 1:  # the usual case: one awaiting drain() or results()
+            ready, fire = watchers[0]
+            if not ready():
+                return []
+            self._watchers = []
+            return [fire]
+        fired = [fire for ready, fire in watchers if ready()]
         if fired:
-            self._watchers = [w for w in self._watchers if w[1] not in fired]
+            self._watchers = [w for w in watchers if w[1] not in fired]
         return fired
 
     @staticmethod
@@ -211,18 +218,26 @@ class Outcomes:
 
     # -- consuming -----------------------------------------------------------------------
 
-    def next(self, *, follow: bool) -> Pending | Wait | None:
-        """The next finished step, ``None`` at the end of the stream, or :attr:`Wait.WAIT`."""
+    def next(
+        self, *, follow: bool, fire: Callable[[], None] | None = None
+    ) -> Pending | Wait | None:
+        """The next finished step, ``None`` at the end of the stream, or :attr:`Wait.WAIT`:
+        then ``fire`` (if given) is watching for the next change of the stream, registered
+        in the same critical section (one lock, not two, for a consumer that must wait)."""
         with self.lock:
             if self.completed:
                 return self.completed.popleft()
             if follow:
-                if not (self.closed and not self.in_flight):
-                    return Wait.WAIT
-                if self.death is not None:
-                    raise self.death
+                if self.closed and not self.in_flight:
+                    if self.death is not None:
+                        raise self.death
+                    return None
+            elif not self.in_flight:
                 return None
-            return None if not self.in_flight else Wait.WAIT
+            if fire is not None:
+                ready = self.has_next_following if follow else self.has_next
+                self._watchers.append((ready, fire))
+            return Wait.WAIT
 
     def take(self) -> Pending | None:
         """The next finished step, or ``None`` if none has finished (never waits)."""

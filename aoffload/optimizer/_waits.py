@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._errors import ClosedError, WorkerDiedError
 from .._runtime.threads import LoopInbox, mark_retrieved
-from ._results import Outcomes
+from ._results import Outcomes, Pending, Wait
 
 __all__ = ["LoopWaits"]
 
@@ -72,6 +73,26 @@ class LoopWaits:
         finally:
             if waiter.cancelled():
                 outcomes.unwatch(fire)
+
+    async def next(self, outcomes: Outcomes, *, follow: bool) -> Pending | None:
+        """The next finished step (:meth:`~._results.Outcomes.next`), awaited: a consumer
+        that must wait registers its wake-up in the same critical section that found
+        nothing."""
+        pending = outcomes.next(follow=follow)
+        while pending is Wait.WAIT:
+            inbox = self._loop_inbox()
+            waiter: asyncio.Future[None] = inbox.loop.create_future()
+            fire = functools.partial(inbox.post, _wake, waiter)
+            pending = outcomes.next(follow=follow, fire=fire)  # a race lost: no wait
+            if pending is not Wait.WAIT:
+                break
+            try:
+                await waiter
+            finally:
+                if waiter.cancelled():
+                    outcomes.unwatch(fire)
+            pending = outcomes.next(follow=follow)
+        return pending
 
     async def result(self, future: concurrent.futures.Future[T]) -> T:
         """Await a core future's outcome; it reaches the loop through the inbox."""
