@@ -20,6 +20,7 @@ SECTIONS = (
     "overlap",
     "looplag",
     "distributed",
+    "offload_adam",
 )
 
 
@@ -129,6 +130,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _distributed
 
         _distributed.run(report, quick=args.quick)
+    elif section == "offload_adam":
+        from . import _offload_adam
+
+        _offload_adam.run(report, quick=args.quick)
     elif section == "looplag":
         from . import _looplag
 

@@ -1,0 +1,338 @@
+"""OffloadAdam section: a real training step, and a backward paced as an accelerator's.
+
+**Real model.** A small transformer trained on this host's CPU: forward, backward and the
+optimizer step (``zero_grad`` included), with in-process ``torch.optim.AdamW`` (foreach and
+fused) against :class:`aoffload.OffloadAdam` (its defaults; the backward runs on the event
+loop's thread, the step is ``await opt.astep()``). With ``max_grad_norm``, against the fused
+AdamW after ``clip_grad_norm_``. Here the backward and the worker share the same cores.
+
+**Paced backward.** 16 parameters of 1M fp32, each one bucket; parameter ``i``'s gradient
+reaches autograd at ``(i + 1) * t_b / 16`` after the step starts (a custom autograd
+function waits with ``time.sleep`` in its backward, as a trainer waits for an accelerator,
+so the post-accumulate-grad hooks run on the real autograd path, on the loop's thread).
+Sequential: in-process ``torch.optim.AdamW(fused=True)`` after the backward; its optimizer
+time is ``t_adam``. OffloadAdam uses ``backend="torch"``, the same kernel. The ideal is
+``max(b, t_adam) + t_adam / 16``, with ``b`` the paced backward measured alone (the
+gradients' own copies included) at each ``t_b`` of the ``overlap`` section, plus
+``t_b = t_adam``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._common import Figure, Report, Table, format_value, progress
+from ._overlap_report import BACKWARDS
+
+SECTION = "offload_adam"
+PACED_PARAMS, PACED_NUMEL = 16, 1 << 20
+PACED_BUCKET_MB = PACED_NUMEL * 4 / (1 << 20)  # one parameter per bucket
+LR = 1e-3
+
+FOREACH = "in-process torch.optim.AdamW(foreach=True)"
+FUSED = "in-process torch.optim.AdamW(fused=True)"
+OFFLOAD = "aoffload OffloadAdam (defaults)"
+FUSED_CLIP = "in-process AdamW(fused=True) after clip_grad_norm_(1.0)"
+OFFLOAD_CLIP = "aoffload OffloadAdam (max_grad_norm=1.0)"
+SEQUENTIAL = "in-process AdamW(fused=True), after the backward (sequential)"
+PACED = "aoffload OffloadAdam (backend='torch')"
+ALONE = "paced backward alone, no optimizer"
+IDEAL = "ideal: max(b, t_adam) + t_adam / 16"
+
+
+# -- the real model -----------------------------------------------------------------------
+
+
+def _transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    torch.manual_seed(0)
+    width, vocab, length = 256, 4096, 64
+    layer = torch.nn.TransformerEncoderLayer(
+        width, nhead=8, dim_feedforward=4 * width, dropout=0.0, batch_first=True
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(vocab, width),
+        torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False),
+        torch.nn.Linear(width, vocab),
+    )
+    tokens = torch.randint(0, vocab, (8, length + 1), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        logits = m(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].flatten())
+
+    return model, loss_of
+
+
+def _in_process(steps: int, clip: float | None, **options: Any) -> list[float]:
+    model, loss_of = _transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **options)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        torch.autograd.backward(loss_of(model))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+async def _offloaded(steps: int, clip: float | None) -> tuple[list[float], str]:
+    import aoffload
+
+    model, loss_of = _transformer()
+    times = []
+    async with aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip) as opt:
+        for _ in range(steps):
+            started = time.perf_counter()
+            torch.autograd.backward(loss_of(model))  # the loop's thread: the loop does not turn
+            await opt.astep()
+            opt.zero_grad()
+            times.append(time.perf_counter() - started)
+        return times, f"backend={opt.backend}, {len(opt._off.buckets)} buckets"
+
+
+def _real_model(report: Report, reps: int) -> None:
+    steps = reps + 2  # two warm-up steps, excluded
+    model, _ = _transformer()
+    numel = sum(p.numel() for p in model.parameters())
+    metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
+    figures: dict[str, Figure] = {}
+    runs: list[tuple[str, Callable[[], list[float]]]] = [
+        (FOREACH, lambda: _in_process(steps, None, foreach=True)),
+        (FUSED, lambda: _in_process(steps, None, fused=True)),
+        (FUSED_CLIP, lambda: _in_process(steps, 1.0, fused=True)),
+    ]
+    notes: dict[str, str] = {}
+    for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
+
+        def offloaded(clip: float | None = clip, system: str = system) -> list[float]:
+            times, note = asyncio.run(_offloaded(steps, clip))
+            notes[system] = note
+            return times
+
+        runs.append((system, offloaded))
+    for system, call in runs:
+        progress(f"offload_adam: {system}")
+        try:
+            times = call()
+        except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
+            report.fail(SECTION, system, exc)
+            continue
+        figures[system] = report.add(
+            SECTION, system, metric, "s", times[2:], note=notes.get(system, "")
+        )
+    rows = []
+    for system, anchor in (
+        (FOREACH, FUSED),
+        (FUSED, FUSED),
+        (OFFLOAD, FUSED),
+        (FUSED_CLIP, FUSED_CLIP),
+        (OFFLOAD_CLIP, FUSED_CLIP),
+    ):
+        figure = figures.get(system)
+        if figure is None:
+            continue
+        ratio = report.ratio(
+            SECTION, f"{system} / {anchor} (real model)", figure, figures.get(anchor)
+        )
+        cell = format_value(figure.value, "s")
+        rows.append([system, cell if ratio is None else f"{cell} ({ratio.value:.2f}x)"])
+    for system in (OFFLOAD, OFFLOAD_CLIP):
+        report.ratio(
+            SECTION, f"{system} / {FOREACH} (real model)", figures.get(system), figures.get(FOREACH)
+        )
+    report.tables.append(
+        Table(SECTION, f"Real model on this host's CPU: {metric}", ["system", "step (x)"], rows)
+    )
+
+
+# -- the paced backward -------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        self.grads = grads
+        self.started = 0.0
+        self.t_b = 0.0
+
+
+class _Paced(torch.autograd.Function):
+    """Forward: ``carry``. Backward: waits for this parameter's time on the schedule, then
+    gives it its (precomputed) gradient; the last parameter's comes first."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, param: torch.Tensor, carry: torch.Tensor, clock: _Clock, index: int
+    ) -> torch.Tensor:
+        ctx.clock, ctx.index = clock, index
+        return carry.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        clock: _Clock = ctx.clock
+        order = PACED_PARAMS - 1 - ctx.index
+        deadline = clock.started + (order + 1) * clock.t_b / PACED_PARAMS
+        remaining = deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)  # the trainer blocked on its accelerator (simulated)
+        return clock.grads[ctx.index], grad, None, None
+
+
+class _PacedModel:
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(7)
+        self.params = [
+            torch.nn.Parameter(torch.randn(PACED_NUMEL, generator=gen)) for _ in range(PACED_PARAMS)
+        ]
+        self.clock = _Clock([torch.randn(PACED_NUMEL, generator=gen) for _ in self.params])
+
+    def backward(self, t_b: float) -> None:
+        carry = torch.zeros(())
+        for index, param in enumerate(self.params):
+            carry = _Paced.apply(param, carry, self.clock, index)  # type: ignore[no-untyped-call]
+        self.clock.t_b = t_b
+        self.clock.started = time.perf_counter()
+        torch.autograd.backward(carry)
+
+
+def _paced_sequential(plan: list[float], optimizer: bool) -> tuple[list[float], list[float]]:
+    model = _PacedModel()
+    opt = torch.optim.AdamW(model.params, lr=LR, fused=True)
+    times, adam = [], []
+    for t_b in plan:
+        model.backward(t_b)
+        optimizer_started = time.perf_counter()
+        if optimizer:
+            opt.step()
+        opt.zero_grad()
+        ended = time.perf_counter()
+        times.append(ended - model.clock.started)
+        adam.append(ended - optimizer_started)
+    return times, adam
+
+
+async def _paced_offloaded(plan: list[float]) -> list[float]:
+    import aoffload
+
+    model = _PacedModel()
+    times = []
+    async with aoffload.OffloadAdam(
+        model.params, lr=LR, backend="torch", bucket_mb=PACED_BUCKET_MB
+    ) as opt:
+        if len(opt._off.buckets) != PACED_PARAMS:
+            raise RuntimeError(f"expected {PACED_PARAMS} buckets, got {len(opt._off.buckets)}")
+        for t_b in plan:
+            model.backward(t_b)  # the hooks submit each bucket from the loop's blocked thread
+            await opt.astep()
+            opt.zero_grad()
+            times.append(time.perf_counter() - model.clock.started)
+    return times
+
+
+def _by_t_b(plan: list[float], times: list[float]) -> dict[float, list[float]]:
+    out: dict[float, list[float]] = {}
+    for t_b, seconds in zip(plan, times, strict=True):
+        out.setdefault(t_b, []).append(seconds)
+    return out
+
+
+def _metric(t_b: float, label: str = "") -> str:
+    return f"step, t_b = {t_b * 1e3:.3g} ms{label}"
+
+
+def _paced(report: Report, reps: int) -> None:
+    warm = [0.0, 0.0]
+    progress("offload_adam: t_adam (in-process AdamW fused, 16 x 1M)")
+    _, adam = _paced_sequential(warm + [0.0] * reps, optimizer=True)
+    t_adam = report.add(SECTION, SEQUENTIAL, "optimizer alone (t_adam), 16 x 1M", "s", adam[2:])
+    backwards = [*BACKWARDS, t_adam.value]
+    labels = {t_b: "" for t_b in BACKWARDS} | {t_adam.value: " (= t_adam)"}
+    plan = warm + [t_b for t_b in backwards for _ in range(reps)]
+    measured: dict[str, dict[float, list[float]]] = {}
+    runs: list[tuple[str, Callable[[], list[float]]]] = [
+        (ALONE, lambda: _paced_sequential(plan, optimizer=False)[0]),
+        (SEQUENTIAL, lambda: _paced_sequential(plan, optimizer=True)[0]),
+        (PACED, lambda: asyncio.run(_paced_offloaded(plan))),
+    ]
+    for system, call in runs:
+        progress(f"offload_adam: paced, {system}")
+        try:
+            times = call()
+        except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
+            report.fail(SECTION, system, exc)
+            continue
+        measured[system] = _by_t_b(plan[2:], times[2:])
+    figures: dict[tuple[str, float], Figure] = {}
+    for system, by_t_b in measured.items():
+        for t_b in backwards:
+            figures[system, t_b] = report.add(
+                SECTION, system, _metric(t_b, labels[t_b]), "s", by_t_b[t_b]
+            )
+    rows: list[list[str]] = []
+    ideal: dict[float, Figure] = {}
+    if ALONE in measured:
+        for t_b in backwards:
+            alone = figures[ALONE, t_b].value
+            ideal[t_b] = report.add(
+                SECTION,
+                IDEAL,
+                _metric(t_b, labels[t_b]),
+                "s",
+                [max(alone, a) + a / PACED_PARAMS for a in t_adam.samples],
+                note="b: the paced backward alone (median); from each t_adam sample",
+            )
+    for system in (SEQUENTIAL, PACED):
+        if system not in measured:
+            continue
+        row = [system]
+        for t_b in backwards:
+            figure = figures[system, t_b]
+            ratio = report.ratio(
+                SECTION, f"{system} / ideal, {_metric(t_b, labels[t_b])}", figure, ideal.get(t_b)
+            )
+            cell = format_value(figure.value, "s")
+            row.append(cell if ratio is None else f"{cell} ({ratio.value:.2f}x)")
+        rows.append(row)
+    for t_b in backwards:
+        report.ratio(
+            SECTION,
+            f"sequential / OffloadAdam, {_metric(t_b, labels[t_b])} (> 1: OffloadAdam faster)",
+            figures.get((SEQUENTIAL, t_b)),
+            figures.get((PACED, t_b)),
+        )
+    for system in (ALONE, IDEAL):
+        source = ideal if system == IDEAL else {t: figures.get((ALONE, t)) for t in backwards}
+        if all(source.get(t) is not None for t in backwards):
+            rows.append([system, *(format_value(source[t].value, "s") for t in backwards)])  # type: ignore[union-attr]
+    header = [f"t_b = {t * 1e3:.3g} ms{labels[t]}" for t in backwards]
+    report.tables.append(
+        Table(
+            SECTION,
+            "Paced backward, 16 x 1M parameters (x the ideal)",
+            ["system", *header],
+            rows,
+        )
+    )
+
+
+def run(report: Report, *, quick: bool) -> None:
+    """A real model's step against in-process AdamW; a paced backward against the ideal."""
+    reps = 3 if quick else 7
+    threads = torch.get_num_threads()
+    try:
+        _real_model(report, reps)
+        _paced(report, reps)
+    finally:
+        torch.set_num_threads(threads)
+    report.notes.append(
+        "offload_adam: the backward and the step run on the event loop's thread (the loop "
+        "does not turn until astep() awaits); the paced backward waits with time.sleep in a "
+        "custom autograd function, so OffloadAdam's hooks run on autograd's real path"
+    )
