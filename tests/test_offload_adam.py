@@ -5,6 +5,8 @@ the sync and async forms agree; the state dict resumes exactly and loads across 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -69,6 +71,24 @@ async def test_is_within_1e6_of_adamw_foreach(expected: Results) -> None:
     o.assert_relative(got, expected["foreach"], rtol=1e-6)
     different = zip(expected["plain"], expected["foreach"], strict=True)
     assert any(not torch.equal(a, b) for a, b in different)  # the check is not vacuous
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
+@pytest.mark.parametrize("name", ["plain", "clip", "overflow"])
+async def test_the_deepspeed_backend_is_within_its_tolerance_of_adamw(
+    expected: Results, name: str
+) -> None:
+    """DeepSpeed's CPU Adam is AdamW's math in its own vectorised order: not bit-identical.
+    Measured here at about 2e-6 relative after 24 steps; 1e-5 leaves room."""
+    run = dataclasses.replace(RUNS[name], backend="deepspeed")
+    got, reports = await o.offloaded(run)
+    o.assert_relative(got, expected[name], rtol=1e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(got, expected[name], strict=True))
+    if name == "clip":
+        assert any(r.clipped for r in reports)
+    if name == "overflow":
+        assert [i for i, r in enumerate(reports) if r.skipped] == [7]
 
 
 async def test_clipping_is_bit_identical_to_clipping_first_then_stepping(
