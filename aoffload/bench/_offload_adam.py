@@ -15,13 +15,18 @@ time is ``t_adam``. OffloadAdam uses ``backend="torch"``, the same kernel. The i
 ``max(b, t_adam) + t_adam / 16``, with ``b`` the paced backward measured alone (the
 gradients' own copies included) at each ``t_b`` of the ``overlap`` section, plus
 ``t_b = t_adam``.
+
+In both parts the systems step in turn, one step each per round, so that a burst of a
+shared host's noise lands on all of them alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -68,66 +73,80 @@ def _transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.T
     return model, loss_of
 
 
-def _in_process(steps: int, clip: float | None, **options: Any) -> list[float]:
+Step = Callable[[float], Awaitable[float]]  # one step at this t_b -> its seconds
+
+
+async def _interleaved(systems: dict[str, Step], plan: list[float]) -> dict[str, list[float]]:
+    """Every system steps once per entry of ``plan``, in turn: a burst of the shared host's
+    noise lands on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for t_b in plan:
+        for name, step in systems.items():
+            times[name].append(await step(t_b))
+    return times
+
+
+def _in_process(clip: float | None, **options: Any) -> Step:
     model, loss_of = _transformer()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **options)
-    times = []
-    for _ in range(steps):
+
+    async def step(_: float) -> float:
         started = time.perf_counter()
         torch.autograd.backward(loss_of(model))
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - started)
-    return times
+        return time.perf_counter() - started
+
+    return step
 
 
-async def _offloaded(steps: int, clip: float | None) -> tuple[list[float], str]:
+async def _offloaded(stack: contextlib.AsyncExitStack, clip: float | None) -> tuple[Step, str]:
     import aoffload
 
     model, loss_of = _transformer()
-    times = []
-    async with aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip) as opt:
-        for _ in range(steps):
-            started = time.perf_counter()
-            torch.autograd.backward(loss_of(model))  # the loop's thread: the loop does not turn
-            await opt.astep()
-            opt.zero_grad()
-            times.append(time.perf_counter() - started)
-        return times, f"backend={opt.backend}, {len(opt._off.buckets)} buckets"
+    opt = aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip)
+    await stack.enter_async_context(opt)
+
+    async def step(_: float) -> float:
+        started = time.perf_counter()
+        torch.autograd.backward(loss_of(model))  # the loop's thread: the loop does not turn
+        await opt.astep()
+        opt.zero_grad()
+        return time.perf_counter() - started
+
+    return step, f"backend={opt.backend}, {len(opt._off.buckets)} buckets"
+
+
+async def _real_model_times(reps: int, notes: dict[str, str]) -> dict[str, list[float]]:
+    async with contextlib.AsyncExitStack() as stack:
+        systems: dict[str, Step] = {
+            FOREACH: _in_process(None, foreach=True),
+            FUSED: _in_process(None, fused=True),
+            FUSED_CLIP: _in_process(1.0, fused=True),
+        }
+        for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
+            systems[system], notes[system] = await _offloaded(stack, clip)
+        times = await _interleaved(systems, [0.0] * (reps + 2))
+        return {name: samples[2:] for name, samples in times.items()}  # two warm-up rounds
 
 
 def _real_model(report: Report, reps: int) -> None:
-    steps = reps + 2  # two warm-up steps, excluded
     model, _ = _transformer()
     numel = sum(p.numel() for p in model.parameters())
     metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
-    figures: dict[str, Figure] = {}
-    runs: list[tuple[str, Callable[[], list[float]]]] = [
-        (FOREACH, lambda: _in_process(steps, None, foreach=True)),
-        (FUSED, lambda: _in_process(steps, None, fused=True)),
-        (FUSED_CLIP, lambda: _in_process(steps, 1.0, fused=True)),
-    ]
+    progress(f"offload_adam: real model, {reps} rounds of 5 systems in turn")
     notes: dict[str, str] = {}
-    for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
-
-        def offloaded(clip: float | None = clip, system: str = system) -> list[float]:
-            times, note = asyncio.run(_offloaded(steps, clip))
-            notes[system] = note
-            return times
-
-        runs.append((system, offloaded))
-    for system, call in runs:
-        progress(f"offload_adam: {system}")
-        try:
-            times = call()
-        except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
-            report.fail(SECTION, system, exc)
-            continue
-        figures[system] = report.add(
-            SECTION, system, metric, "s", times[2:], note=notes.get(system, "")
-        )
+    try:
+        measured = asyncio.run(_real_model_times(reps, notes))
+    except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
+        report.fail(SECTION, "real model", exc)
+        return
+    figures = {
+        system: report.add(SECTION, system, metric, "s", times, note=notes.get(system, ""))
+        for system, times in measured.items()
+    }
     rows = []
     for system, anchor in (
         (FOREACH, FUSED),
@@ -202,38 +221,62 @@ class _PacedModel:
         torch.autograd.backward(carry)
 
 
-def _paced_sequential(plan: list[float], optimizer: bool) -> tuple[list[float], list[float]]:
+def _paced_in_process(adam: list[float] | None) -> Step:
+    """Sequential: the paced backward, then AdamW(fused=True) (its time into ``adam``);
+    with ``adam=None``, the backward alone."""
     model = _PacedModel()
     opt = torch.optim.AdamW(model.params, lr=LR, fused=True)
-    times, adam = [], []
-    for t_b in plan:
+
+    async def step(t_b: float) -> float:
         model.backward(t_b)
         optimizer_started = time.perf_counter()
-        if optimizer:
+        if adam is not None:
             opt.step()
         opt.zero_grad()
         ended = time.perf_counter()
-        times.append(ended - model.clock.started)
-        adam.append(ended - optimizer_started)
-    return times, adam
+        if adam is not None:
+            adam.append(ended - optimizer_started)
+        return ended - model.clock.started
+
+    return step
 
 
-async def _paced_offloaded(plan: list[float]) -> list[float]:
+async def _paced_offloaded(stack: contextlib.AsyncExitStack) -> Step:
     import aoffload
 
     model = _PacedModel()
-    times = []
-    async with aoffload.OffloadAdam(
-        model.params, lr=LR, backend="torch", bucket_mb=PACED_BUCKET_MB
-    ) as opt:
-        if len(opt._off.buckets) != PACED_PARAMS:
-            raise RuntimeError(f"expected {PACED_PARAMS} buckets, got {len(opt._off.buckets)}")
-        for t_b in plan:
-            model.backward(t_b)  # the hooks submit each bucket from the loop's blocked thread
-            await opt.astep()
-            opt.zero_grad()
-            times.append(time.perf_counter() - model.clock.started)
-    return times
+    opt = aoffload.OffloadAdam(model.params, lr=LR, backend="torch", bucket_mb=PACED_BUCKET_MB)
+    await stack.enter_async_context(opt)
+    if len(opt._off.buckets) != PACED_PARAMS:
+        raise RuntimeError(f"expected {PACED_PARAMS} buckets, got {len(opt._off.buckets)}")
+
+    async def step(t_b: float) -> float:
+        model.backward(t_b)  # the hooks submit each bucket from the loop's blocked thread
+        await opt.astep()
+        opt.zero_grad()
+        return time.perf_counter() - model.clock.started
+
+    return step
+
+
+async def _paced_times(reps: int) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """(t_adam's samples, measured first at t_b = 0; the plan of t_b; each system's step
+    times along the plan)."""
+    adam: list[float] = []
+    async with contextlib.AsyncExitStack() as stack:
+        sequential = _paced_in_process(adam)
+        systems: dict[str, Step] = {
+            ALONE: _paced_in_process(None),
+            SEQUENTIAL: sequential,
+            PACED: await _paced_offloaded(stack),
+        }
+        await _interleaved(systems, [0.0, 0.0])  # warm-up
+        adam.clear()
+        for _ in range(reps):
+            await sequential(0.0)
+        samples = list(adam)
+        plan = [t_b for t_b in (*BACKWARDS, statistics.median(samples)) for _ in range(reps)]
+        return samples, plan, await _interleaved(systems, plan)
 
 
 def _by_t_b(plan: list[float], times: list[float]) -> dict[float, list[float]]:
@@ -248,27 +291,16 @@ def _metric(t_b: float, label: str = "") -> str:
 
 
 def _paced(report: Report, reps: int) -> None:
-    warm = [0.0, 0.0]
-    progress("offload_adam: t_adam (in-process AdamW fused, 16 x 1M)")
-    _, adam = _paced_sequential(warm + [0.0] * reps, optimizer=True)
-    t_adam = report.add(SECTION, SEQUENTIAL, "optimizer alone (t_adam), 16 x 1M", "s", adam[2:])
-    backwards = [*BACKWARDS, t_adam.value]
-    labels = {t_b: "" for t_b in BACKWARDS} | {t_adam.value: " (= t_adam)"}
-    plan = warm + [t_b for t_b in backwards for _ in range(reps)]
-    measured: dict[str, dict[float, list[float]]] = {}
-    runs: list[tuple[str, Callable[[], list[float]]]] = [
-        (ALONE, lambda: _paced_sequential(plan, optimizer=False)[0]),
-        (SEQUENTIAL, lambda: _paced_sequential(plan, optimizer=True)[0]),
-        (PACED, lambda: asyncio.run(_paced_offloaded(plan))),
-    ]
-    for system, call in runs:
-        progress(f"offload_adam: paced, {system}")
-        try:
-            times = call()
-        except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
-            report.fail(SECTION, system, exc)
-            continue
-        measured[system] = _by_t_b(plan[2:], times[2:])
+    progress(f"offload_adam: paced backward, {reps} rounds of 3 systems in turn per t_b")
+    try:
+        adam, plan, times = asyncio.run(_paced_times(reps))
+    except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
+        report.fail(SECTION, "paced backward", exc)
+        return
+    t_adam = report.add(SECTION, SEQUENTIAL, "optimizer alone (t_adam), 16 x 1M", "s", adam)
+    backwards = list(dict.fromkeys(plan))
+    labels = {t_b: "" for t_b in BACKWARDS} | {backwards[-1]: " (= t_adam)"}
+    measured = {system: _by_t_b(plan, samples) for system, samples in times.items()}
     figures: dict[tuple[str, float], Figure] = {}
     for system, by_t_b in measured.items():
         for t_b in backwards:
@@ -334,5 +366,6 @@ def run(report: Report, *, quick: bool) -> None:
     report.notes.append(
         "offload_adam: the backward and the step run on the event loop's thread (the loop "
         "does not turn until astep() awaits); the paced backward waits with time.sleep in a "
-        "custom autograd function, so OffloadAdam's hooks run on autograd's real path"
+        "custom autograd function, so OffloadAdam's hooks run on autograd's real path; the "
+        "systems of each part step in turn, one step each per round"
     )
