@@ -4,7 +4,9 @@
 optimizer step (``zero_grad`` included), with in-process ``torch.optim.AdamW`` (foreach and
 fused) against :class:`aoffload.OffloadAdam` (its defaults; the backward runs on the event
 loop's thread, the step is ``await opt.astep()``). With ``max_grad_norm``, against the fused
-AdamW after ``clip_grad_norm_``. Here the backward and the worker share the same cores.
+AdamW after ``clip_grad_norm_``; and with smaller buckets than the default (the model is
+about 21 MB of fp32: the default 32 MiB makes one bucket, sent when the backward ends).
+Here the backward and the worker share the same cores.
 
 **Paced backward.** 16 parameters of 1M fp32, each one bucket; parameter ``i``'s gradient
 reaches autograd at ``(i + 1) * t_b / 16`` after the step starts (a custom autograd
@@ -44,6 +46,13 @@ FUSED = "in-process torch.optim.AdamW(fused=True)"
 OFFLOAD = "aoffload OffloadAdam (defaults)"
 FUSED_CLIP = "in-process AdamW(fused=True) after clip_grad_norm_(1.0)"
 OFFLOAD_CLIP = "aoffload OffloadAdam (max_grad_norm=1.0)"
+SMALL_BUCKETS = (4.0, 1.0)  # MiB: the default makes one or two buckets of this model
+
+
+def offload_buckets(bucket_mb: float) -> str:
+    return f"aoffload OffloadAdam (bucket_mb={bucket_mb:g})"
+
+
 SEQUENTIAL = "in-process AdamW(fused=True), after the backward (sequential)"
 PACED = "aoffload OffloadAdam (backend='torch')"
 ALONE = "paced backward alone, no optimizer"
@@ -102,11 +111,13 @@ def _in_process(clip: float | None, **options: Any) -> Step:
     return step
 
 
-async def _offloaded(stack: contextlib.AsyncExitStack, clip: float | None) -> tuple[Step, str]:
+async def _offloaded(
+    stack: contextlib.AsyncExitStack, clip: float | None, **options: Any
+) -> tuple[Step, str]:
     import aoffload
 
     model, loss_of = _transformer()
-    opt = aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip)
+    opt = aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip, **options)
     await stack.enter_async_context(opt)
 
     async def step(_: float) -> float:
@@ -128,6 +139,9 @@ async def _real_model_times(reps: int, notes: dict[str, str]) -> dict[str, list[
         }
         for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
             systems[system], notes[system] = await _offloaded(stack, clip)
+        for bucket_mb in SMALL_BUCKETS:
+            system = offload_buckets(bucket_mb)
+            systems[system], notes[system] = await _offloaded(stack, None, bucket_mb=bucket_mb)
         times = await _interleaved(systems, [0.0] * (reps + 2))
         return {name: samples[2:] for name, samples in times.items()}  # two warm-up rounds
 
@@ -136,7 +150,7 @@ def _real_model(report: Report, reps: int) -> None:
     model, _ = _transformer()
     numel = sum(p.numel() for p in model.parameters())
     metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
-    progress(f"offload_adam: real model, {reps} rounds of 5 systems in turn")
+    progress(f"offload_adam: real model, {reps} rounds of 7 systems in turn")
     notes: dict[str, str] = {}
     try:
         measured = asyncio.run(_real_model_times(reps, notes))
@@ -152,6 +166,7 @@ def _real_model(report: Report, reps: int) -> None:
         (FOREACH, FUSED),
         (FUSED, FUSED),
         (OFFLOAD, FUSED),
+        *((offload_buckets(mb), FUSED) for mb in SMALL_BUCKETS),
         (FUSED_CLIP, FUSED_CLIP),
         (OFFLOAD_CLIP, FUSED_CLIP),
     ):
