@@ -36,6 +36,7 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
         section.OFFLOAD_CLIP,
         section.SEQUENTIAL,
         section.PACED,
+        section.PACED_SPLIT,
         section.ALONE,
         section.IDEAL,
     ):

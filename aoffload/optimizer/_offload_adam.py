@@ -42,7 +42,9 @@ from ._waits import LoopWaits
 __all__ = ["DEFAULT_BUCKET_MB", "OffloadAdam"]
 
 DEFAULT_BUCKET_MB = 32.0
-"""Bucket size in MiB of fp32 (``python -m aoffload.bench offload_adam`` measured it)."""
+"""Bucket size in MiB of fp32. Not yet settled by measurement: ``python -m aoffload.bench
+offload_adam`` compares 32, 4 and 1 MiB on a 21 MB model, and on the shared 2-core host it
+ran on the differences were within the noise (see docs/offload_adam.md)."""
 
 
 def _block(outcomes: Outcomes, need: object) -> None:
