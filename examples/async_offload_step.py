@@ -146,5 +146,5 @@ def main() -> None:
     print(f"first loss {first:.4f} final loss {final:.4f}")
 
 
-if __name__ == "__main__":  # <- required: the worker is started with the spawn method
+if __name__ == "__main__":  # optional: aoffload's workers never import this script
     main()

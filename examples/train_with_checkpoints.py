@@ -128,5 +128,5 @@ def main() -> None:
         aoffload.run(train(args.directory, args.steps, args.every, args.resume))
 
 
-if __name__ == "__main__":  # the writer is spawned: the guard is required
+if __name__ == "__main__":  # optional: aoffload's workers never import this script
     main()

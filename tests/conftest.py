@@ -53,7 +53,14 @@ class LoopBlockGuard(logging.Handler):
 def _frozen_heap() -> None:
     """Move everything imported so far (torch, pytest) out of the collector's reach, so a
     full garbage collection of the test process's heap is not mistaken for the library
-    blocking the loop."""
+    blocking the loop.
+
+    Before that, the first ``torch.testing.assert_close`` runs here: it imports
+    ``torch.distributed.tensor`` and sympy (1-2 s), which a test calling it on its loop
+    would otherwise be blamed for."""
+    import torch
+
+    torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
     gc.collect()
     gc.freeze()
 

@@ -9,7 +9,9 @@ main module) that imports aoffload like a trainer, then measures, in this order:
   interpreter, ``import torch``, ``import aoffload``), then forks the worker; the server's
   HELLO timestamps split it into those phases;
 * later starts of the echo worker, of a ``CheckpointEngine`` and of a ``CPUAdam`` (torch
-  backend): forks of the running server.
+  backend): forks of the running server;
+* two starts of a ``CPUAdam`` with DeepSpeed's op (already built), when DeepSpeed imports:
+  each fork imports DeepSpeed and loads the op.
 
 Right before each probe, ``import torch`` is timed in another fresh interpreter (the import
 statement alone), so "first start beyond the torch import" pairs samples taken back to back;
@@ -21,6 +23,7 @@ aoffload module is compiled at each import (an installed aoffload has its byteco
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import multiprocessing
 import statistics
@@ -87,6 +90,12 @@ async def _aoffload_starts(later: int, directory: str) -> dict[str, Any]:
     adam = [
         await _timed_start(aoffload.CPUAdam([{"lr": 0.1}], backend="torch")) for _ in range(later)
     ]
+    deepspeed = []
+    if importlib.util.find_spec("deepspeed") is not None:
+        deepspeed = [
+            await _timed_start(aoffload.CPUAdam([{"lr": 0.1}], backend="deepspeed"))
+            for _ in range(2)
+        ]
     return {
         "first": first,
         "server interpreter": code - spawned,
@@ -97,6 +106,7 @@ async def _aoffload_starts(later: int, directory: str) -> dict[str, Any]:
         "later echo": echo,
         "later engine": engine,
         "later adam": adam,
+        "deepspeed adam": deepspeed,
     }
 
 
@@ -169,5 +179,17 @@ def run(report: Report, *, quick: bool) -> None:
     add("aoffload worker", "later start", [x for s in samples for x in s["later echo"]])
     add("aoffload CheckpointEngine", "later start", [x for s in samples for x in s["later engine"]])
     add("aoffload CPUAdam (torch)", "later start", [x for s in samples for x in s["later adam"]])
+    deepspeed = [x for s in samples for x in s["deepspeed adam"]]
+    if deepspeed:
+        add("aoffload CPUAdam (DeepSpeed op, built)", "start", deepspeed)
+        add(
+            "aoffload CPUAdam (DeepSpeed op, built)",
+            "start beyond a later engine start",
+            [
+                x - statistics.median(s["later engine"])
+                for s in samples
+                for x in s["deepspeed adam"]
+            ],
+        )
     later_median = statistics.median(x for s in samples for x in s["later echo"])
     progress(f"bridge: later worker start {later_median * 1e3:.0f} ms (median)")
