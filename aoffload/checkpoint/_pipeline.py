@@ -110,6 +110,7 @@ class Pipeline:
                 region.offset,
                 planned.skeleton_nbytes,
                 records,
+                root=str(self._tags.directory),
             )
 
             def written(record: Any, error: BaseException | None) -> None:

@@ -70,7 +70,8 @@ class WriteFile(Call[FileRecord]):
     The skeleton (the state pickled with a persistent id per tensor) lies at
     ``skeleton_offset``, ``skeleton_nbytes`` long: it holds every non-tensor value of
     the state, so it can be large, and like the tensors it travels through staging
-    memory, never through the pipe.
+    memory, never through the pipe. ``root`` is the checkpoint directory: ``path`` lies
+    below it and is opened without following a link below it.
     """
 
     path: str
@@ -78,6 +79,7 @@ class WriteFile(Call[FileRecord]):
     skeleton_offset: int
     skeleton_nbytes: int
     tensors: tuple[TensorRecord, ...]
+    root: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,9 +104,8 @@ class WriterService(Service):
         start = message.skeleton_offset
         skeleton = array[start : start + message.skeleton_nbytes].tobytes()
         state = _Unpickler(skeleton, tensors).load()
-        os.makedirs(os.path.dirname(message.path), exist_ok=True)
         fd, buffers, self._bounce = open_for_write(
-            message.path, self._config.direct_io, self._bounce
+            message.path, self._config.direct_io, self._bounce, message.root
         )
         sink = Sink(fd, buffers, self._io_thread)
         try:
