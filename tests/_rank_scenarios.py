@@ -143,7 +143,8 @@ BLOCKED_TIMEOUT = 4.0
 
 
 def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:
-    """A dead run's leftovers go once; a second engine starting late wipes nothing live."""
+    """A dead run's leftovers go once; a second engine that would write where a live one
+    writes refuses to start on every rank, and wipes nothing."""
 
     async def main() -> dict[str, Any]:
         if rank == 0:
@@ -155,11 +156,17 @@ def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:
             await first.save(shard(rank, 1), f"shard-{rank}.pt", tag="step-1")  # in flight
             if rank == 1:
                 await asyncio.sleep(1.0)  # the other rank waits in the collective start
-            async with aoffload.CheckpointEngine(directory, distributed=True) as second:
-                result = await first.commit("step-1")
-                await second.save(shard(rank, 2), f"b-{rank}.pt", tag="step-2")
-                other = await second.commit("step-2")
-        return {"dead_run_gone": dead_run_gone, "files": result.files, "other": other.files}
+            refused = await _expect(aoffload.CheckpointEngine(directory, distributed=True).start())
+            result = await first.commit("step-1")
+        async with aoffload.CheckpointEngine(directory, distributed=True) as second:
+            await second.save(shard(rank, 2), f"b-{rank}.pt", tag="step-2")
+            other = await second.commit("step-2")
+        return {
+            "dead_run_gone": dead_run_gone,
+            "refused": refused[:2],
+            "files": result.files,
+            "other": other.files,
+        }
 
     return aoffload.run(main())
 

@@ -87,7 +87,12 @@ def test_a_killed_writer_fails_the_commit_on_every_rank_and_names_it(two_ranks: 
     assert "'latest' still names 'step-1'" in healthy[1]
     assert healthy[2] < 30.0  # seen when it happened, not after commit_timeout (300 s)
     for result in results:
-        assert result["listing"] == [".aoffload.lock", "latest", "step-1"]  # nothing partial
+        assert result["listing"] == [
+            ".aoffload.lock",
+            ".aoffload.writer",
+            "latest",
+            "step-1",
+        ]  # nothing partial
         assert result["tags"] == ["step-1", "step-3"]
     assert complete_tags(directory) == ["step-1", "step-3"]
 
@@ -106,10 +111,13 @@ def test_a_failed_write_on_one_rank_fails_every_rank_and_all_stay_usable(two_ran
     assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
 
 
-def test_a_late_start_wipes_nothing_live_and_dead_leftovers_go(two_ranks: Any) -> None:
+def test_a_second_writer_refuses_wipes_nothing_and_dead_leftovers_go(two_ranks: Any) -> None:
     directory, results = scenario(two_ranks, "late_start")
     for result in results:
         assert result["dead_run_gone"]
+        kind, message = result["refused"]
+        assert kind == "CheckpointError"
+        assert "another live checkpoint engine (pid " in message
         assert result["files"] == ["shard-0.pt", "shard-1.pt"]
         assert result["other"] == ["b-0.pt", "b-1.pt"]
     assert complete_tags(directory) == ["step-1", "step-2"]

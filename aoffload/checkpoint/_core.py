@@ -53,14 +53,20 @@ logger = logging.getLogger(__name__)
 def _scan_alone(directory: Path, writer: bool) -> tuple[_lock.DirectoryLock | None, _format.Scan]:
     """Scan ``directory`` at the start of a single-process engine.
 
-    A writer creates the directory and takes the directory lock (see :mod:`._lock`), held
-    shared while the engine lives; leftovers of dead runs are removed only by an engine
-    alone in the directory. A replica only reads.
+    A writer creates the directory and takes the directory locks (see :mod:`._lock`):
+    the writer lock, which refuses a second live writer, and the shared lock, held while
+    the engine lives; leftovers of dead runs are removed only by an engine alone in the
+    directory. A replica only reads. An OS error is a :class:`CheckpointError` naming it.
     """
-    if not writer:
-        return None, _format.scan(directory, clean=False)
-    directory.mkdir(parents=True, exist_ok=True)
-    return _lock.hold_shared(directory, lambda sole: _format.scan(directory, clean=sole))
+    try:
+        if not writer:
+            return None, _format.scan(directory, clean=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        return _lock.hold_shared(
+            directory, lambda sole: _format.scan(directory, clean=sole), writer=True
+        )
+    except OSError as exc:
+        raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from exc
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:

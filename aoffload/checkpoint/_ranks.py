@@ -123,17 +123,35 @@ class Rendezvous:
     def _join(self) -> _format.Scan:
         self._group = dist.new_group(backend="gloo")
         link: list[Any] = [None, None]
+        failure: Exception | None = None
         if self.rank == 0:
-            # Rank 0 publishes, even as a replica. It cleans only when it is alone.
-            self._directory.mkdir(parents=True, exist_ok=True)
-            self._lock, scan = _lock.hold_shared(
-                self._directory, lambda sole: _format.scan(self._directory, clean=sole)
-            )
-            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            timeout = datetime.timedelta(seconds=self.timeout)
-            self._store = _TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
-            link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
+            # Rank 0 publishes, even as a replica: it is the directory's one writer. It
+            # cleans only when it is alone. Whatever fails, every rank hears of it.
+            try:
+                self._directory.mkdir(parents=True, exist_ok=True)
+                self._lock, scan = _lock.hold_shared(
+                    self._directory,
+                    lambda sole: _format.scan(self._directory, clean=sole),
+                    writer=True,
+                )
+                host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+                timeout = datetime.timedelta(seconds=self.timeout)
+                self._store = _TCPStore(
+                    host, 0, None, True, timeout=timeout, wait_for_workers=False
+                )
+                link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
+            except Exception as exc:  # noqa: BLE001 - raised on every rank, below
+                link = [None, f"rank 0 could not start: {exc}"]
+                failure = exc
         dist.broadcast_object_list(link, src=0, group=self._group)
+        if link[0] is None:
+            if self.rank == 0 and failure is not None:
+                if isinstance(failure, OSError):
+                    raise CheckpointError(
+                        f"cannot use {self._directory} as a checkpoint directory: {failure}"
+                    ) from failure
+                raise failure
+            raise CheckpointError(f"the distributed checkpoint engine did not start: {link[1]}")
         (host, port, self.run), scan = link
         if self.rank != 0:
             self._store = self._connect(host, port)
@@ -199,12 +217,14 @@ class Rendezvous:
         try:
             if self._store is not None:
                 farewell()
-                group, self._group = self._group, None
+        finally:
+            group, self._group = self._group, None
+            try:
                 if group is not None and dist.is_initialized():
                     dist.destroy_process_group(group)
-        finally:
-            self._store = self._waiting = None
-            if waiter is not None:
-                waiter.shutdown(wait=False)  # it may still block on a key nobody will set
-            if self._lock is not None:
-                self._lock.release()
+            finally:
+                self._store = self._waiting = None
+                if waiter is not None:
+                    waiter.shutdown(wait=False)  # it may still block on a key nobody sets
+                if self._lock is not None:
+                    self._lock.release()
