@@ -35,7 +35,7 @@ from typing import Any
 from .._errors import CheckpointError, ClosedError, InvalidStateError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
-from . import _format, _lock
+from . import _format, _lock, _untrusted
 from ._commit import Catalog, CommitResult, commit_local
 from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
@@ -116,6 +116,7 @@ class EngineCore:
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
         self._lock: _lock.DirectoryLock | None = None
+        self._tag_bytes = _untrusted.MAX_TAG_BYTES
         self._running = False
         self._closed = False
 
@@ -140,6 +141,7 @@ class EngineCore:
             else:
                 self._lock, found = _scan_alone(self.directory, self.writer is not None)
             self.catalog.found(found)
+            self._tag_bytes = _untrusted.tag_limit(self.directory)
             self._commits = DaemonThreadExecutor("aoffload-commit")
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
@@ -167,7 +169,7 @@ class EngineCore:
         """
         self.tags.raise_background()
         self.check_running()
-        name, tag = _format.validate_name(name), _format.validate_tag(tag)
+        name, tag = _format.validate_name(name), _format.validate_tag(tag, self._tag_bytes)
         if self._pipeline is None:  # a replica writes nothing
             if self.catalog.committed(tag):
                 raise InvalidStateError(f"checkpoint {tag!r} is already committed; use a new tag")
@@ -228,7 +230,7 @@ class EngineCore:
 
     def _start_commit(self, tag: str | None, latest: bool) -> concurrent.futures.Future[Any]:
         if tag is not None:
-            tag = _format.validate_tag(tag)
+            tag = _format.validate_tag(tag, self._tag_bytes)
             done = self.catalog.result(tag)
             if done is not None:
                 return _done(done)
