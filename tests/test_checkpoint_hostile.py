@@ -162,7 +162,10 @@ HOSTILE: dict[str, object | bytes] = {
     "word-sequence": {"format": FORMAT, "sequence": "seven", "files": {}},
     "no-bytes": {"format": FORMAT, "sequence": 5, "files": {"m.pt": {"xxh3_64": "0" * 16}}},
     "nested": b"[" * 100_000,
-    "huge": {"format": FORMAT, "sequence": 9, "files": {}, "pad": "x" * (20 << 20)},
+    # bytes, not json.dumps: encoding 20 MiB holds the GIL long enough to stall the loop
+    "huge": b'{"format": "%s", "sequence": 9, "files": {}, "pad": "' % FORMAT.encode()
+    + b"x" * (20 << 20)
+    + b'"}',
 }
 
 

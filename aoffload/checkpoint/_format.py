@@ -21,6 +21,7 @@ so the command line reads a directory without importing torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -29,7 +30,7 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +169,13 @@ def _parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class Scan:
     """What a directory holds: committed tags (oldest first), their last sequence,
-    ``latest``, and the tags whose manifest is unreadable (set aside, see :func:`scan`)."""
+    ``latest``, each tag's commit metadata (a tag committed without any has none here), and
+    the tags whose manifest is unreadable (set aside, see :func:`scan`)."""
 
     tags: list[str]
     sequence: int
     latest: str | None
+    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     quarantined: tuple[str, ...] = ()
 
 
@@ -210,6 +213,7 @@ def scan(directory: Path, *, clean: bool) -> Scan:
         return Scan([], 0, None)
     found: list[tuple[int, str]] = []
     quarantined: list[str] = []
+    metadata: dict[str, dict[str, Any]] = {}
     for entry in sorted(os.listdir(directory)):
         path = directory / entry
         if entry.startswith((TMP_PREFIX, TRASH_PREFIX)):
@@ -239,6 +243,8 @@ def scan(directory: Path, *, clean: bool) -> Scan:
             quarantined.append(entry)
             continue
         found.append((manifest["sequence"], entry))
+        if manifest.get("metadata"):
+            metadata[entry] = manifest["metadata"]
     found.sort()
     try:
         latest = read_latest(directory)
@@ -246,7 +252,7 @@ def scan(directory: Path, *, clean: bool) -> Scan:
         logger.warning("ignoring %s: %s", directory / LATEST, exc)
         latest = None
     tags = [tag for _, tag in found]
-    return Scan(tags, found[-1][0] if found else 0, latest, tuple(quarantined))
+    return Scan(tags, found[-1][0] if found else 0, latest, metadata, tuple(quarantined))
 
 
 def _digest_fd(fd: int) -> FileEntry:
@@ -366,13 +372,15 @@ def publish(
     *,
     durable: bool,
     latest: bool = True,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, FileEntry]:
     """Write the manifest last, rename the tag into place, then move ``latest`` (atomically).
 
     Files already in an uncommitted ``directory/tag`` are published too (:func:`adopt`).
-    ``latest=False`` leaves the ``latest`` pointer alone. A tag that is already committed
-    (its directory has a manifest) is never rewritten: :class:`CheckpointError`. Returns
-    every published file. Nothing is followed through a link.
+    ``latest=False`` leaves the ``latest`` pointer alone. ``metadata`` (the commit's, JSON)
+    is kept in the manifest. A tag that is already committed (its directory has a manifest)
+    is never rewritten: :class:`CheckpointError`. Returns every published file. Nothing is
+    followed through a link.
     """
     existing = directory / tag
     if _paths.kind(existing) == "dir" and _paths.kind(existing / MANIFEST) != "missing":
@@ -392,6 +400,8 @@ def publish(
         "created": time.time(),
         "files": {n: {"bytes": e.bytes, "xxh3_64": e.xxh3_64} for n, e in everything.items()},
     }
+    if metadata:
+        manifest["metadata"] = dict(metadata)
     _write_below(directory, f"{tmpdir.name}/{MANIFEST}", json.dumps(manifest, indent=1), durable)
     if durable:
         fsync_path(tmpdir)
@@ -400,16 +410,30 @@ def publish(
         os.rename(tmpdir.name, tag, src_dir_fd=folder, dst_dir_fd=folder)
         if durable:
             os.fsync(folder)
-        if latest:
+    finally:
+        os.close(folder)
+    if latest:
+        point_latest(directory, tag, durable=durable)
+    return everything
+
+
+def point_latest(directory: Path, tag: str | None, *, durable: bool) -> None:
+    """Make ``latest`` name ``tag`` (atomically, through a temporary), or remove it
+    (``None``); neither the pointer nor its temporary is followed if it is a link."""
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if tag is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(LATEST, dir_fd=folder)
+        else:
             pointer = f".{LATEST}.tmp"
             remove_tree(directory / pointer)  # a leftover (or a planted link) goes first
             _write_below(directory, pointer, tag + "\n", durable)
             os.replace(pointer, LATEST, src_dir_fd=folder, dst_dir_fd=folder)
-            if durable:
-                os.fsync(folder)
+        if durable:
+            os.fsync(folder)
     finally:
         os.close(folder)
-    return everything
 
 
 def retire(directory: Path, tag: str, trash_name: str) -> Path:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import _format, _lock, _paths
 
@@ -41,13 +39,15 @@ _LATEST_TMP = f".{_format.LATEST}.tmp"  # the pointer being replaced (see _forma
 
 @dataclass(frozen=True, slots=True)
 class TagInfo:
-    """One committed tag as its manifest describes it (``error`` if the manifest is bad)."""
+    """One committed tag as its manifest describes it (``error`` if the manifest is bad),
+    with its commit metadata (``{}`` if none)."""
 
     tag: str
     sequence: int
     files: dict[str, Any]
     created: float | None
     error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -80,7 +80,13 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
             infos.append(TagInfo(entry, -1, {}, None, f"unreadable manifest: {exc}"))
             continue
         infos.append(
-            TagInfo(entry, manifest["sequence"], dict(manifest["files"]), manifest.get("created"))
+            TagInfo(
+                entry,
+                manifest["sequence"],
+                dict(manifest["files"]),
+                manifest.get("created"),
+                metadata=dict(manifest.get("metadata") or {}),
+            )
         )
     infos.sort(key=lambda info: (info.sequence, info.tag))
     try:
@@ -165,6 +171,8 @@ class FileSummary:
 
 def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, str]:
     """Count the tensors under ``value`` (into ``summary``); return (count, kind)."""
+    import torch  # inspect alone needs torch: ls, verify and clean start without it
+
     count = 0
     stack = [value]
     while stack:
@@ -182,7 +190,11 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
     return count, type(value).__name__
 
 
-def _summarise(directory: Path, tag: str, name: str, entry: dict[str, Any]) -> FileSummary:
+def _summarise(
+    directory: Path, tag: str, name: str, entry: dict[str, Any], weights_only: bool
+) -> FileSummary:
+    import torch
+
     summary = FileSummary(name)
     path = directory / tag / name
     try:
@@ -192,9 +204,10 @@ def _summarise(directory: Path, tag: str, name: str, entry: dict[str, Any]) -> F
         return summary
     try:
         # the very file just verified, whatever happens to its name meanwhile
-        loaded = torch.load(f"/proc/self/fd/{fd}", map_location="cpu", weights_only=True, mmap=True)
+        opened = f"/proc/self/fd/{fd}"
+        loaded = torch.load(opened, map_location="cpu", weights_only=weights_only, mmap=True)
     except Exception as exc:  # noqa: BLE001 - reported per file; the command exits non-zero
-        summary.error = f"could not load {path} with weights_only=True: {exc}"
+        summary.error = f"could not load {path} with weights_only={weights_only}: {exc}"
         return summary
     finally:
         os.close(fd)
@@ -207,11 +220,14 @@ def _summarise(directory: Path, tag: str, name: str, entry: dict[str, Any]) -> F
     return summary
 
 
-async def inspect_tag(directory: Path, info: TagInfo) -> list[FileSummary]:
+async def inspect_tag(
+    directory: Path, info: TagInfo, *, weights_only: bool = True
+) -> list[FileSummary]:
     """A :class:`FileSummary` of every file of ``info``, each verified against its
-    manifest, then loaded with ``weights_only=True``, off the event loop."""
+    manifest, then loaded off the event loop with ``weights_only=True``
+    (``weights_only=False``: the caller trusts the files)."""
     return [
-        await asyncio.to_thread(_summarise, directory, info.tag, name, entry)
+        await asyncio.to_thread(_summarise, directory, info.tag, name, entry, weights_only)
         for name, entry in info.files.items()
     ]
 

@@ -114,6 +114,9 @@ def check_manifest(path: Path, manifest: Any, fmt: str, reserved: str) -> dict[s
     created = manifest.get("created")
     if created is not None and type(created) not in (int, float):
         raise corrupt(f"the manifest's creation time is {created!r}, not a number")
+    metadata = manifest.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise corrupt(f"the manifest's metadata is {type(metadata).__name__}, not an object")
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise corrupt("the manifest lists no files")
