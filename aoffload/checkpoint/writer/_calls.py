@@ -44,13 +44,19 @@ class MapSegment(Call[None]):
 
 @dataclass(frozen=True, slots=True)
 class TensorRecord:
-    """One contiguous tensor in a staging segment."""
+    """One tensor: a view (``storage_offset``, ``shape``, ``stride``, in elements of
+    ``dtype``) of the storage staged at ``offset`` (``nbytes`` long) of a segment. Tensors
+    that shared a storage name the same ``offset`` and share it again, as ``torch.save``
+    keeps them; ``parameter`` restores an ``nn.Parameter``."""
 
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     requires_grad: bool
+    stride: tuple[int, ...] | None = None
+    storage_offset: int = 0
+    parameter: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,17 +90,34 @@ class WriterService(Service):
             os.close(fd)
         self._segments[message.path] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
 
-    def _tensor(self, array: np.ndarray[Any, Any], record: TensorRecord) -> torch.Tensor:
-        if record.nbytes == 0:
-            return torch.empty(record.shape, dtype=record.dtype)
-        flat = torch.from_numpy(array[record.offset : record.offset + record.nbytes])
-        tensor = flat.view(record.dtype).view(record.shape)
+    @staticmethod
+    def _tensor(
+        array: np.ndarray[Any, Any],
+        record: TensorRecord,
+        storages: dict[int, torch.UntypedStorage],
+    ) -> torch.Tensor:
+        if record.nbytes == 0:  # an empty storage takes no room: it has no offset of its own
+            storage = torch.empty((0,), dtype=torch.uint8).untyped_storage()
+        elif (found := storages.get(record.offset)) is not None:
+            storage = found
+        else:
+            flat = torch.from_numpy(array[record.offset : record.offset + record.nbytes])
+            storage = storages[record.offset] = flat.untyped_storage()
+        stride = record.stride
+        if stride is None:  # a contiguous tensor of its own
+            stride = torch.empty(record.shape, device="meta").stride()
+        tensor = torch.empty((0,), dtype=record.dtype).set_(
+            storage, record.storage_offset, record.shape, stride
+        )
+        if record.parameter:
+            return torch.nn.Parameter(tensor, requires_grad=record.requires_grad)
         return tensor.requires_grad_() if record.requires_grad else tensor
 
     def _write(self, message: WriteFile) -> FileRecord:
         started = time.perf_counter()
         _, array = self._segments[message.segment]
-        tensors = [self._tensor(array, record) for record in message.tensors]
+        storages: dict[int, torch.UntypedStorage] = {}
+        tensors = [self._tensor(array, record, storages) for record in message.tensors]
         start = message.skeleton_offset
         skeleton = array[start : start + message.skeleton_nbytes].tobytes()
         state = _Unpickler(skeleton, tensors).load()
