@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from . import _format, _lock, _paths
+from . import _format, _lock, _paths, _shm
 
 __all__ = [
     "FileCheck",
@@ -293,6 +293,8 @@ def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] |
                     _format.remove_tree(path)  # a link is removed, never what it names
                 except OSError as exc:
                     raise CheckpointError(f"could not remove {path}: {exc}") from exc
-        return found
+        # and the shared memory of dead trainers and writers (never a live one's)
+        shm = _shm.dead_files() if dry_run else _shm.remove_dead()
+        return found + [(Path(path), size) for path, size in shm]
     finally:
         lock.release()

@@ -38,6 +38,7 @@ __all__ = ["Keys", "Rendezvous", "first_line"]
 
 logger = logging.getLogger(__name__)
 
+_PROBE_SECONDS = 2.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 
 
@@ -85,6 +86,8 @@ class Rendezvous:
         self.timeout = timeout
         self.run = ""
         """The run id rank 0 chose: every store key of this engine's commits starts with it."""
+        self.address: tuple[str, int] = ("", 0)
+        """The commit store's host and port (once joined)."""
         self._directory = directory
         self._writer = writer
         self._waiter: DaemonThreadExecutor | None = None
@@ -153,6 +156,7 @@ class Rendezvous:
                 raise failure
             raise CheckpointError(f"the distributed checkpoint engine did not start: {link[1]}")
         (host, port, self.run), scan = link
+        self.address = (host, port)
         if self.rank != 0:
             self._store = self._connect(host, port)
             if self._writer:
@@ -208,6 +212,20 @@ class Rendezvous:
         """
         acks = [keys.ack(rank) for rank in range(1, self.world)]
         self._store.wait(acks, datetime.timedelta(seconds=seconds))
+
+    def store_alive(self) -> bool:
+        """Whether rank 0's store still takes connections (always, on rank 0).
+
+        Asked with a plain socket: a ``TCPStore`` call on a closed connection prints a C++
+        stack trace to stderr, which no Python setting silences.
+        """
+        if self.rank == 0:
+            return True
+        try:
+            socket.create_connection(self.address, timeout=_PROBE_SECONDS).close()
+        except OSError:
+            return False
+        return True
 
     # -- leave ---------------------------------------------------------------------------
 

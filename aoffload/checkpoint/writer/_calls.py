@@ -21,6 +21,7 @@ __all__ = [
     "MapSegment",
     "SyncTree",
     "TensorRecord",
+    "WatchRank",
     "WriteFile",
     "WriterConfig",
 ]
@@ -93,6 +94,23 @@ class SyncTree(Call[None]):
     """Fsync ``root`` and every directory below it."""
 
     root: str
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRank(Call[None]):
+    """If the trainer dies before it disarms this (``run=""``), tell the other ranks.
+
+    A distributed engine's writer outlives a SIGKILLed trainer by a moment (it sees its
+    request pipe close): it then sets the outcome of commits ``n`` and ``n + 1`` of
+    ``run`` in the commit store at ``host:port`` to "rank ``rank``'s trainer died", so
+    the peers' ``commit()`` raises at once instead of after ``commit_timeout``.
+    """
+
+    host: str = ""
+    port: int = 0
+    run: str = ""
+    rank: int = 0
+    n: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,13 @@ from ._calls import (
     MapSegment,
     SyncTree,
     TensorRecord,
+    WatchRank,
     WriteFile,
     WriterConfig,
 )
 from ._loader import load_in_worker, unlink_all
 from ._sink import Sink, open_for_write
+from ._watch import announce_death
 
 __all__ = ["TARGET", "WriterService"]
 
@@ -65,18 +67,23 @@ class WriterService(Service):
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
+        self._watch = WatchRank()  # armed (a run) while a distributed trainer may die
         background_policy()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
         torch.serialization.set_crc32_options(False)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
-        """Map a segment, write a file, fsync a tree, load a file for the trainer."""
+        """Map a segment, write a file, fsync a tree, load a file, watch the trainer."""
         return {
             MapSegment: self._map,
             WriteFile: self._write,
             SyncTree: self._sync,
             LoadFile: self._load,
+            WatchRank: self._arm,
         }
+
+    def _arm(self, message: WatchRank) -> None:
+        self._watch = message
 
     def _load(self, message: LoadFile) -> LoadedFile:
         self._blobs = [blob for blob in self._blobs if os.path.exists(blob)]
@@ -152,7 +159,10 @@ class WriterService(Service):
                 os.close(fd)
 
     def close(self) -> None:
-        """Unmap every staging segment; remove what loads left that the trainer never read."""
+        """Unmap every staging segment; remove what loads left that the trainer never read;
+        if the trainer died with its rank's watch armed, tell the other ranks first."""
+        if self._watch.run:  # the trainer went without disarming it: it died
+            announce_death(self._watch)
         unlink_all(self._blobs)
         while self._segments:
             _, (mapping, array) = self._segments.popitem()
