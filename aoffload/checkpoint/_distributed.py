@@ -48,7 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CheckpointError, ClosedError, WorkerDiedError
+from .._errors import AoffloadError, CheckpointError, WorkerDiedError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
 from . import _format, _metadata
@@ -143,13 +143,14 @@ class Ranks:
             return
         host, port = self._meet.address
         call = WatchRank(host, port, self._meet.run, self.rank, self._next if n is None else n)
-        writer.submit_callback(call, _ignore)
+        with contextlib.suppress(AoffloadError):  # a dead writer: the commit reports it
+            writer.submit_callback(call, _ignore)
 
     def disarm(self, writer: WorkerCore | None) -> None:
         """An orderly close: ``writer`` stops without speaking for this rank."""
         if writer is None or writer.pid is None or writer.death is not None:
             return  # never started (a failed start), or gone
-        with contextlib.suppress(ClosedError):
+        with contextlib.suppress(AoffloadError):
             writer.submit_callback(WatchRank(), _ignore)
 
     # -- commit -------------------------------------------------------------------------
