@@ -24,7 +24,7 @@ EXIT_OK = 0
 """Success; for ``verify``: every file matches its manifest."""
 EXIT_DAMAGED = 1
 """``verify``: a file is corrupt or missing, or a manifest is unreadable; ``inspect``: a
-file could not be loaded."""
+file does not match its manifest or could not be loaded, or the manifest is unreadable."""
 EXIT_USAGE = 2
 """Bad arguments, no such directory, not a checkpoint directory, or no such tag."""
 EXIT_BUSY = 3
@@ -37,7 +37,7 @@ _EPILOG = f"""\
 exit codes:
   {EXIT_OK}  success (verify: every file matches its manifest)
   {EXIT_DAMAGED}  verify: a file is corrupt or missing or a manifest unreadable;
-     inspect: a file could not be loaded
+     inspect: a file is corrupt or could not be loaded, or the manifest is unreadable
   {EXIT_USAGE}  bad arguments, no such directory or tag, not a checkpoint directory
   {EXIT_BUSY}  clean: a live engine holds the directory (DIR/.aoffload.lock); nothing removed
 """
@@ -152,6 +152,9 @@ async def _verify(args: argparse.Namespace, out: TextIO) -> int:
 async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
     directory = Path(args.directory)
     [info] = await _inspect.resolve_tags(directory, args.tag, False)
+    if info.error is not None:
+        _say(out, f"{info.tag}: {info.error}")
+        return EXIT_DAMAGED
     status = EXIT_OK
     _say(out, f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}")
     if info.metadata:
@@ -229,7 +232,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no progress bar (shown on a terminal for large checkpoints when tqdm is installed)",
     )
-    inspect = command("inspect", _inspect_cmd, "show each file's tensors and top-level keys")
+    inspect = command(
+        "inspect",
+        _inspect_cmd,
+        "verify each file, then show its tensors and top-level keys (weights_only=True)",
+    )
     inspect.add_argument("--tag", help="the tag to inspect (default: latest)")
     inspect.add_argument(
         "--weights-only",

@@ -177,7 +177,8 @@ BLOCKED_TIMEOUT = 4.0
 
 
 def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:
-    """A dead run's leftovers go once; a second engine starting late wipes nothing live."""
+    """A dead run's leftovers go once; a second engine that would write where a live one
+    writes refuses to start on every rank, and wipes nothing."""
 
     async def main() -> dict[str, Any]:
         if rank == 0:
@@ -189,37 +190,76 @@ def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:
             await first.save(shard(rank, 1), f"shard-{rank}.pt", tag="step-1")  # in flight
             if rank == 1:
                 await asyncio.sleep(1.0)  # the other rank waits in the collective start
-            async with aoffload.CheckpointEngine(directory, distributed=True) as second:
-                result = await first.commit("step-1")
-                await second.save(shard(rank, 2), f"b-{rank}.pt", tag="step-2")
-                other = await second.commit("step-2")
-        return {"dead_run_gone": dead_run_gone, "files": result.files, "other": other.files}
+            refused = await _expect(aoffload.CheckpointEngine(directory, distributed=True).start())
+            result = await first.commit("step-1")
+        async with aoffload.CheckpointEngine(directory, distributed=True) as second:
+            await second.save(shard(rank, 2), f"b-{rank}.pt", tag="step-2")
+            other = await second.commit("step-2")
+        return {
+            "dead_run_gone": dead_run_gone,
+            "refused": refused[:2],
+            "files": result.files,
+            "other": other.files,
+        }
 
     return aoffload.run(main())
 
 
-def trainer_killed(rank: int, world: int, directory: Path, victim: int) -> dict[str, Any]:
-    """The victim's whole process dies mid-commit; the others time out naming it."""
+def store_gone(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """Rank 1 closes with a tag saved but not committed after rank 0 closed its store."""
 
     async def main() -> dict[str, Any]:
-        async with aoffload.CheckpointEngine(
-            directory, distributed=True, commit_timeout=TRAINER_TIMEOUT
-        ) as engine:
+        engine = aoffload.CheckpointEngine(directory, distributed=True)
+        await engine.start()
+        if rank == 1:
             await engine.save(shard(rank, 1, rows=8), f"shard-{rank}.pt", tag="step-1")
-            dist.barrier()  # a slow start-up must not count against commit_timeout
-            await engine.commit("step-1")
-            await engine.save(shard(rank, 2, rows=8), f"shard-{rank}.pt", tag="step-2")
-            dist.barrier()
-            if rank == victim:
-                os.kill(os.getpid(), signal.SIGKILL)
-            failed = await _expect(engine.commit("step-2"))
-            closing = time.perf_counter()
-        return {"failed": failed, "close_seconds": time.perf_counter() - closing}
+        else:
+            await engine.aclose()
+        dist.barrier()  # rank 0's store is gone
+        await engine.aclose()
+        return {"tags": engine.tags()}
 
     return aoffload.run(main())
 
 
-TRAINER_TIMEOUT = 8.0
+class _Leaving(Exception):
+    """What the victim of :func:`departure` raises out of its engine."""
+
+
+def departure(
+    rank: int, world: int, directory: Path, victim: int, how: str, commit_timeout: float
+) -> dict[str, Any]:
+    """After one good commit, the victim leaves before the second: SIGKILLed ("killed"),
+    an exception out of the engine ("raises"), aclose() with a tag saved but not
+    committed ("saved"), or stuck past ``commit_timeout`` in a synchronous step ("hangs")."""
+
+    async def main() -> dict[str, Any]:
+        failed: tuple[str, str, float] = ("", "", 0.0)
+        with contextlib.suppress(_Leaving):
+            async with aoffload.CheckpointEngine(
+                directory, distributed=True, commit_timeout=commit_timeout
+            ) as engine:
+                await engine.save(shard(rank, 1, rows=8), f"shard-{rank}.pt", tag="step-1")
+                dist.barrier()  # a slow start-up must not count against commit_timeout
+                await engine.commit("step-1")
+                if not (rank == victim and how == "raises"):
+                    await engine.save(shard(rank, 2, rows=8), f"shard-{rank}.pt", tag="step-2")
+                dist.barrier()
+                if rank == victim:
+                    if how == "killed":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if how == "raises":
+                        raise _Leaving("the victim's training step failed")
+                    if how == "hangs":
+                        time.sleep(commit_timeout + 4.0)  # noqa: ASYNC251 - a stuck step
+                        failed = await _expect(engine.commit("step-2"))
+                    return {"failed": failed, "close_seconds": 0.0}
+                failed = await _expect(engine.commit("step-2"))
+                closing = time.perf_counter()
+            return {"failed": failed, "close_seconds": time.perf_counter() - closing}
+        return {"failed": failed, "close_seconds": 0.0}
+
+    return aoffload.run(main())
 
 
 def random_kills(rank: int, world: int, directory: Path, rounds: int) -> dict[str, Any]:

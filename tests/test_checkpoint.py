@@ -196,7 +196,13 @@ async def test_retention_keeps_the_newest_and_a_restart_sees_commit_order(tmp_pa
             assert engine.tags()[-1] == f"s{step}"
             assert len(engine.tags()) <= 2
         assert engine.tags() == ["s20", "s5"]
-    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "latest", "s20", "s5"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".aoffload.lock",
+        ".aoffload.writer",
+        "latest",
+        "s20",
+        "s5",
+    ]
     async with aoffload.CheckpointEngine(tmp_path, writer=False) as replica:
         assert replica.tags() == ["s20", "s5"]
         assert replica.latest() == "s5"

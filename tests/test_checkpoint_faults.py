@@ -104,7 +104,12 @@ async def test_full_disk_is_a_checkpoint_error_and_the_old_one_survives(
         assert isinstance(info.value.__cause__, aoffload.RemoteError)
         assert engine.latest() == "step-1"
         assert engine.tags() == ["step-1"]
-        assert sorted(os.listdir(small_filesystem)) == [".aoffload.lock", "latest", "step-1"]
+        assert sorted(os.listdir(small_filesystem)) == [
+            ".aoffload.lock",
+            ".aoffload.writer",
+            "latest",
+            "step-1",
+        ]
         assert torch.equal((await engine.load("model.pt"))["w"], torch.ones(256, 1024))
         await engine.save({"w": torch.zeros(256, 1024)}, "model.pt", tag="step-3")
         assert (await engine.commit()).tag == "step-3"

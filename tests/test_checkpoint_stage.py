@@ -119,7 +119,13 @@ async def test_a_tensor_mutated_during_its_copy_fails_the_staging_naming_its_key
         # The engine stays usable, and the tags can be staged again.
         await engine.save(state, "model.pt", tag="torn")
         await engine.commit("torn")
-    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "good", "latest", "torn"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".aoffload.lock",
+        ".aoffload.writer",
+        "good",
+        "latest",
+        "torn",
+    ]
     assert not never_retrieved(caplog)
 
 
@@ -140,7 +146,12 @@ async def test_a_failed_commit_leaves_no_directory_behind_a_write_still_queued(
             stop.set()
             await asyncio.to_thread(thread.join)
         await engine.commit("slow")  # the writer has now written everything queued
-        assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "latest", "slow"]
+        assert sorted(os.listdir(tmp_path)) == [
+            ".aoffload.lock",
+            ".aoffload.writer",
+            "latest",
+            "slow",
+        ]
         assert engine.tags() == ["slow"]
 
 
@@ -280,7 +291,13 @@ async def test_a_mutation_before_the_loop_turns_is_caught(
         assert engine.tags() == ["good"]
         await engine.save(state, "model.pt", tag="next")  # the engine goes on
         await engine.commit("next")
-    assert sorted(os.listdir(tmp_path)) == [".aoffload.lock", "good", "latest", "next"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".aoffload.lock",
+        ".aoffload.writer",
+        "good",
+        "latest",
+        "next",
+    ]
 
 
 @pytest.mark.blocks_loop

@@ -349,15 +349,7 @@ class Catalog:
             if moved:
                 self.latest = self._tags[-1] if self._tags else None
         if moved:
-            pointer = self.directory / _format.LATEST
-            if self.latest is None:
-                pointer.unlink(missing_ok=True)
-            else:
-                temporary = self.directory / f".{_format.LATEST}.tmp"
-                _format.write_text(temporary, self.latest + "\n", self._durable)
-                temporary.replace(pointer)
-            if self._durable:
-                _format.fsync_path(self.directory)
+            _format.point_latest(self.directory, self.latest, durable=self._durable)
         self._delete(tag)
         return True
 

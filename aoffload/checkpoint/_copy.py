@@ -117,18 +117,13 @@ class _Job:
             self._pieces += _pieces(position, buffer.ctypes.data, buffer.size)
             position += buffer.size
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor, offset in zip(self._plan.tensors, self._plan.offsets, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
+        for source, offset in zip(self._plan.storages, self._plan.offsets, strict=True):
+            nbytes = source.numel()  # a flat uint8 tensor over a whole storage
             if nbytes == 0:
                 continue
             start = self._region.offset + offset
-            source = tensor.detach()
-            if tensor.is_cuda or not source.is_contiguous() or source.is_conj() or source.is_neg():
-                target = array[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-                if tensor.is_cuda:
-                    cuda.append((target, source))
-                else:
-                    self._pieces.append(functools.partial(target.copy_, source))
+            if source.is_cuda:
+                cuda.append((array[start : start + nbytes], source))
             else:
                 self._pieces += _pieces(array.data_ptr() + start, source.data_ptr(), nbytes)
         if cuda:  # first, so that the device copies overlap the host ones

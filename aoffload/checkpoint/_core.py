@@ -37,12 +37,13 @@ from typing import Any
 from .._errors import CheckpointError, ClosedError, InvalidStateError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
-from . import _format, _lock, _metadata
+from . import _format, _lock, _metadata, _shm, _untrusted
 from ._commit import Catalog, CommitResult, commit_local
 from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline, Unloadable
 from ._plan import modified
+from ._ranks import first_line
 from ._tags import FileJob, OpenTag, Tags
 from .writer import TARGET
 from .writer._calls import WriterConfig
@@ -55,14 +56,31 @@ logger = logging.getLogger(__name__)
 def _scan_alone(directory: Path, writer: bool) -> tuple[_lock.DirectoryLock | None, _format.Scan]:
     """Scan ``directory`` at the start of a single-process engine.
 
-    A writer creates the directory and takes the directory lock (see :mod:`._lock`), held
-    shared while the engine lives; leftovers of dead runs are removed only by an engine
-    alone in the directory. A replica only reads.
+    A writer creates the directory and takes the directory locks (see :mod:`._lock`):
+    the writer lock, which refuses a second live writer, and the shared lock, held while
+    the engine lives; leftovers of dead runs are removed only by an engine alone in the
+    directory. A replica only reads. An OS error is a :class:`CheckpointError` naming it.
     """
-    if not writer:
-        return None, _format.scan(directory, clean=False)
-    directory.mkdir(parents=True, exist_ok=True)
-    return _lock.hold_shared(directory, lambda sole: _format.scan(directory, clean=sole))
+    try:
+        if not writer:
+            return None, _format.scan(directory, clean=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        return _lock.hold_shared(
+            directory, lambda sole: _format.scan(directory, clean=sole), writer=True
+        )
+    except OSError as exc:
+        raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from exc
+
+
+def _latest_bytes(directory: Path, found: _format.Scan) -> int:
+    """The size of the directory's latest checkpoint (0: none, or unreadable)."""
+    if found.latest is None or found.latest not in found.tags:
+        return 0
+    try:
+        manifest = _format.read_manifest(directory / found.latest / _format.MANIFEST)
+    except (OSError, CheckpointError):
+        return 0
+    return sum(entry["bytes"] for entry in manifest["files"].values())
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
@@ -106,6 +124,7 @@ class EngineCore:
             else None
         )
         self.tags = Tags(self.directory, max_pending)
+        self._max_pending = max_pending
         self.catalog = Catalog(self.directory, durable=durable, keep_last=keep_last)
         self._ranks = (
             Ranks(self.directory, writer=writer, durable=durable, timeout=commit_timeout)
@@ -116,8 +135,10 @@ class EngineCore:
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
         self._lock: _lock.DirectoryLock | None = None
+        self._tag_bytes = _untrusted.MAX_TAG_BYTES
         self._running = False
         self._closed = False
+        self._failure: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -140,11 +161,16 @@ class EngineCore:
             else:
                 self._lock, found = _scan_alone(self.directory, self.writer is not None)
             self.catalog.found(found)
+            self._tag_bytes = _untrusted.tag_limit(self.directory)
             self._commits = DaemonThreadExecutor("aoffload-commit")
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
+                _shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
+                _shm.check_room(_latest_bytes(self.directory, found), self._max_pending)
                 self.writer.start(self._start_timeout)
                 self._pipeline = Pipeline(self.tags, self.writer, self._unloadable)
+            if self._ranks is not None:
+                self._ranks.watch(self.writer)
         except BaseException:
             self.close()
             raise
@@ -167,7 +193,7 @@ class EngineCore:
         """
         self.tags.raise_background()
         self.check_running()
-        name, tag = _format.validate_name(name), _format.validate_tag(tag)
+        name, tag = _format.validate_name(name), _format.validate_tag(tag, self._tag_bytes)
         if self._pipeline is None:  # a replica writes nothing
             if self.catalog.committed(tag):
                 raise InvalidStateError(f"checkpoint {tag!r} is already committed; use a new tag")
@@ -241,7 +267,7 @@ class EngineCore:
         self, tag: str | None, latest: bool, metadata: _metadata.Metadata | None = None
     ) -> concurrent.futures.Future[Any]:
         if tag is not None:
-            tag = _format.validate_tag(tag)
+            tag = _format.validate_tag(tag, self._tag_bytes)
             done = self.catalog.result(tag)
             if done is not None:
                 if metadata is not None and metadata != done.metadata:
@@ -342,16 +368,26 @@ class EngineCore:
 
     # -- close ---------------------------------------------------------------------------
 
+    def failing(self, exc: BaseException) -> None:
+        """``exc`` is leaving the code that uses this engine: the close that follows tells
+        the other ranks (distributed) that this rank failed, naming ``exc``."""
+        if self._failure is None:
+            detail = f" ({first_line(exc)})" if str(exc).strip() else ""
+            self._failure = f"{type(exc).__name__}{detail} left it"
+
     def close(self) -> None:
         """Finish the commits in flight, stop the threads and the writer, release everything.
 
         Blocks. Tags saved but never committed are discarded (logged at WARNING). Raises
-        the failure of a commit nobody saw fail, once everything is released.
+        the failure of a commit nobody saw fail, once everything is released. A
+        distributed rank that closes with work undone (a tag saved but not committed, an
+        exception leaving the engine, commits still running) tells the others at once.
         """
         if self._closed:
             return
         self._closed, self._running = True, False
         open_tags = self.tags.close()
+        late: set[concurrent.futures.Future[Any]] = set()
         try:
             commits = [t.commit for t in open_tags if t.commit is not None]
             _, late = concurrent.futures.wait(commits, timeout=self._close_timeout)
@@ -369,11 +405,26 @@ class EngineCore:
                         "checkpoint %r was saved but never committed; discarded", open_tag.tag
                     )
         finally:
-            self._release(open_tags)
+            self._release(open_tags, self._unfinished(open_tags, late))
         self.tags.raise_background()
 
-    def _release(self, open_tags: list[OpenTag]) -> None:
+    def _unfinished(
+        self, open_tags: list[OpenTag], late: set[concurrent.futures.Future[Any]]
+    ) -> str | None:
+        """Why this rank leaves work undone (for the peers), or ``None``."""
+        saved = [t.tag for t in open_tags if t.commit is None and t.files]
+        if self._failure is not None:
+            return self._failure
+        if saved:
+            return f"checkpoint(s) {saved} saved but never committed"
+        if late:
+            return f"{len(late)} commit(s) still running after close_timeout"
+        return None
+
+    def _release(self, open_tags: list[OpenTag], unfinished: str | None = None) -> None:
         try:
+            if self._ranks is not None:
+                self._ranks.disarm(self.writer)  # an orderly close: this rank speaks itself
             if self.writer is not None:
                 self.writer.stop()  # the writer drains what was sent first
                 self.writer.release()
@@ -381,7 +432,7 @@ class EngineCore:
             try:
                 if self._ranks is not None:  # tell the peers; never wait on a dead one
                     dead = self.writer is not None and self.writer.death is not None
-                    self._ranks.close(writer_died=dead)
+                    self._ranks.close(writer_died=dead, unfinished=unfinished)
             finally:
                 if self._commits is not None:
                     self._commits.shutdown(wait=False)

@@ -39,6 +39,7 @@ only after renaming out the files the peer reported durable.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -47,14 +48,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CheckpointError, WorkerDiedError
+from .._errors import AoffloadError, CheckpointError, WorkerDiedError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
 from . import _format, _metadata
 from ._commit import Catalog, CommitResult, committed, discard, written
 from ._ranks import Keys, Rendezvous, first_line
 from ._tags import OpenTag
-from .writer._calls import FileRecord
+from .writer._calls import FileRecord, WatchRank
 
 __all__ = ["Ranks"]
 
@@ -65,6 +66,10 @@ _ACK_SECONDS = 10.0
 """How long rank 0's close keeps the store up for the others to read the last result."""
 
 Resolve = Callable[[CommitResult | None, BaseException | None], None]
+
+
+def _ignore(value: object, error: BaseException | None) -> None:
+    """A watch needs no answer (a dead writer fails it; the close says so)."""
 
 
 def merge_reports(
@@ -130,6 +135,24 @@ class Ranks:
         """Join the other ranks (a collective, blocking); return rank 0's scan."""
         return self._meet.join()
 
+    def watch(self, writer: WorkerCore | None, n: int | None = None) -> None:
+        """Arm ``writer`` to tell the others if this trainer dies before commit ``n``
+        (default: the next) or the one after ends (:class:`WatchRank`); a replica has
+        no writer to say it."""
+        if writer is None or not self._meet.run:
+            return
+        host, port = self._meet.address
+        call = WatchRank(host, port, self._meet.run, self.rank, self._next if n is None else n)
+        with contextlib.suppress(AoffloadError):  # a dead writer: the commit reports it
+            writer.submit_callback(call, _ignore)
+
+    def disarm(self, writer: WorkerCore | None) -> None:
+        """An orderly close: ``writer`` stops without speaking for this rank."""
+        if writer is None or writer.pid is None or writer.death is not None:
+            return  # never started (a failed start), or gone
+        with contextlib.suppress(AoffloadError):
+            writer.submit_callback(WatchRank(), _ignore)
+
     # -- commit -------------------------------------------------------------------------
 
     def commit(
@@ -148,6 +171,7 @@ class Ranks:
         """
         n, self._next = self._next, self._next + 1
         self._in_flight = n
+        self.watch(writer, n)
         keys = Keys(self._meet.run, n)
         outcome = self._meet.wait_for(keys.outcome)
         own = self._writes.submit(written, writer, open_tag, catalog.latest)
@@ -308,25 +332,42 @@ class Ranks:
 
     # -- close --------------------------------------------------------------------------
 
-    def close(self, *, writer_died: bool) -> None:
+    def close(self, *, writer_died: bool, unfinished: str | None = None) -> None:
         """Tell the others this rank is gone, keep the store up for their last read, leave.
 
-        Blocks; the commit thread has stopped (no commit of this rank is in flight).
+        ``unfinished`` says why this rank leaves with work it did not finish (a tag saved
+        but not committed, an exception leaving the engine, commits still running): the
+        peers' next ``commit()`` then fails at once, naming this rank. Blocks; the commit
+        thread has stopped (no commit of this rank is in flight).
         """
         try:
-            self._meet.leave(lambda: self._farewell(writer_died))
+            self._meet.leave(lambda: self._farewell(writer_died, unfinished))
         finally:
             self._writes.shutdown(wait=False)
 
-    def _farewell(self, writer_died: bool) -> None:
+    def _farewell(self, writer_died: bool, unfinished: str | None) -> None:
         n = self._in_flight if self._in_flight is not None else self._next
-        settled = self._in_flight is None and self._last_ok == n - 1 and not writer_died
+        settled = (
+            self._in_flight is None
+            and self._last_ok == n - 1
+            and not writer_died
+            and unfinished is None
+        )
         if self.rank != 0 and settled:
-            # The usual end: every commit of this rank succeeded. Rank 0 may have closed
-            # its store already; leave quietly (a rank that fails says so, below).
+            # The usual end: every commit of this rank succeeded and nothing is left
+            # undone. Rank 0 may have closed its store already; leave quietly (a rank
+            # that fails says so, below).
             return
-        why = "its checkpoint writer died" if writer_died else "it closed its engine"
+        if writer_died:
+            why = "its checkpoint writer died"
+        elif unfinished is not None:
+            why = f"it closed its engine: {unfinished}"
+        else:
+            why = "it closed its engine"
         outcome = Keys(self._meet.run, n).outcome
+        if not self._meet.store_alive():  # rank 0 closed first (the usual order) or died
+            logger.debug("closing: the commit store is gone; rank %d leaves (%s)", self.rank, why)
+            return
         try:
             self._meet.claim(outcome, json.dumps({"rank": self.rank, "error": why}))
         except dist.DistError as exc:  # rank 0 closed first (the usual order) or died

@@ -17,6 +17,7 @@ import contextlib
 import os
 from collections.abc import Coroutine, Generator, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 from .._errors import AoffloadError
@@ -174,6 +175,17 @@ class CheckpointEngine(AsyncResource):
     async def _open(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
         await run_in_thread(self._core.start, name="aoffload-checkpoint-start")
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close; an exception leaving the block marks this rank failed for its peers."""
+        if exc is not None:
+            self._core.failing(exc)
+        await self.aclose()
 
     async def _close(self) -> None:
         """Finish commits in flight, stop the writer, release staging memory.

@@ -21,19 +21,23 @@ so the command line reads a directory without importing torch.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import mmap
 import os
-import shutil
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from .._errors import CheckpointError, CorruptCheckpointError, InvalidStateError
+from . import _paths, _untrusted
 
 __all__ = [
     "FORMAT",
@@ -42,6 +46,7 @@ __all__ = [
     "TMP_PREFIX",
     "TRASH_PREFIX",
     "FileEntry",
+    "is_orphan",
     "Scan",
     "adopt",
     "digest",
@@ -65,7 +70,12 @@ FORMAT = "aoffload-checkpoint/1"
 """The manifest's ``format`` value."""
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+OFFLOADED = "offloaded_tensors"
+"""What DeepSpeed's NVMe offload copies into ``<tag>/`` itself (see :func:`adopt`)."""
 _VERIFY_BLOCK = 8 << 20
+_LATEST_BYTES = 4096
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,33 +86,22 @@ class FileEntry:
     xxh3_64: str
 
 
-# -- names -----------------------------------------------------------------------------
+# -- names (see _untrusted) -------------------------------------------------------------
 
 
 def validate_name(name: object) -> str:
-    """A file name inside a tag: relative, normalised, not the manifest's."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise InvalidStateError(f"file name {name!r}: must be a non-empty string")
-    path = PurePosixPath(name)
-    if path.is_absolute() or ".." in path.parts:
-        raise InvalidStateError(f"file name {name!r}: must be relative and must not contain '..'")
-    if str(path) != name or name.endswith("/"):
-        raise InvalidStateError(f"file name {name!r}: write it normalised, as {str(path)!r}")
-    if path.name == MANIFEST:
-        raise InvalidStateError(f"file name {name!r} is reserved for the manifest")
-    return name
+    """A file name inside a tag: relative, normalised, not the manifest's (see
+    :mod:`._untrusted` for the rules)."""
+    return _untrusted.validate_name(name, MANIFEST)
 
 
-def validate_tag(tag: object) -> str:
-    """A tag: one path component, not hidden, not ``latest``."""
-    if not isinstance(tag, str) or not tag or "/" in tag or "\0" in tag:
-        raise InvalidStateError(f"tag {tag!r}: must be a non-empty string without '/'")
-    if tag.startswith(".") or tag == LATEST:
-        raise InvalidStateError(f"tag {tag!r}: must not start with '.' nor be {LATEST!r}")
-    return tag
+def validate_tag(tag: object, limit: int = _untrusted.MAX_TAG_BYTES) -> str:
+    """A tag: one path component, not hidden, not ``latest``, at most ``limit`` UTF-8
+    bytes (see :mod:`._untrusted`)."""
+    return _untrusted.validate_tag(tag, limit)
 
 
-# -- small blocking helpers (run on the engine's I/O thread) -----------------------------
+# -- small blocking helpers (run on the engine's threads) ---------------------------------
 
 
 def fsync_path(path: Path) -> None:
@@ -115,29 +114,53 @@ def fsync_path(path: Path) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a directory tree or a file, if it exists."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    """Remove the directory tree, file or link at ``path``, if any; a link is removed
+    itself, never what it names (:func:`._paths.remove`)."""
+    _paths.remove(path)
 
 
-def write_text(path: Path, text: str, durable: bool) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        if durable:
-            os.fsync(file.fileno())
-
-
-def _parse_manifest(path: Path, text: str) -> dict[str, Any]:
+def _write_below(root: Path, relative: str, text: str, durable: bool) -> None:
+    fd = _paths.open_file(root, relative, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        manifest = json.loads(text)
-    except ValueError as exc:
+        with memoryview(text.encode("utf-8")) as data:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_untrusted(root: Path, relative: str) -> int:
+    """A regular file below ``root``, opened without following a link; a link, a special
+    file or a missing file is a :class:`CorruptCheckpointError` naming it."""
+    try:
+        return _paths.open_regular(root, relative)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{root / relative}: missing") from exc
+    except _paths.UnsafePathError as exc:
+        raise CorruptCheckpointError(f"{exc.filename}: {exc.strerror}") from None
+
+
+def _read_bounded(fd: int, path: Path, limit: int, what: str) -> bytes:
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise CorruptCheckpointError(f"{path}: {size} bytes, over the limit of {limit} for {what}")
+    data = bytearray()
+    while chunk := os.read(fd, limit + 1 - len(data)):
+        data += chunk
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{path}: over the limit of {limit} bytes for {what}")
+    return bytes(data)
+
+
+def _parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: the manifest is not valid JSON") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{path}: not an aoffload manifest ({FORMAT})")
-    return manifest
+    return _untrusted.check_manifest(path, manifest, FORMAT, MANIFEST)
 
 
 # -- phases ----------------------------------------------------------------------------
@@ -145,56 +168,110 @@ def _parse_manifest(path: Path, text: str) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """What a directory holds: committed tags (oldest first), their last sequence, ``latest``,
-    and each tag's commit metadata (a tag committed without any has none here)."""
+    """What a directory holds: committed tags (oldest first), their last sequence,
+    ``latest``, each tag's commit metadata (a tag committed without any has none here), and
+    the tags whose manifest is unreadable (set aside, see :func:`scan`)."""
 
     tags: list[str]
     sequence: int
     latest: str | None
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quarantined: tuple[str, ...] = ()
+
+
+def is_orphan(path: Path) -> bool:
+    """Whether ``path`` is a tag directory that a crashed run left: no manifest, nothing
+    in it but the NVMe offload copies DeepSpeed puts there (``offloaded_tensors/``), and
+    owned by this user. Links are never orphans."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            return False
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return entries == [OFFLOADED] and _paths.kind(path / OFFLOADED) == "dir"
+
+
+def _remove_leftover(path: Path) -> None:
+    try:
+        remove_tree(path)
+    except OSError as exc:
+        logger.warning("could not remove %s, left by an interrupted run: %s", path, exc)
 
 
 def scan(directory: Path, *, clean: bool) -> Scan:
-    """Read the committed tags; with ``clean``, remove leftovers of interrupted runs."""
+    """Read the committed tags; with ``clean``, remove leftovers of interrupted runs.
+
+    Leftovers are temporary and retired tags and tag directories a crashed run left
+    without a manifest (:func:`is_orphan`); a link among them is removed itself. A tag
+    whose manifest is unreadable, malformed or too large is *quarantined*: logged at
+    WARNING, left in place, and neither listed, loaded nor retired. Links and files
+    that are not tags are ignored. A bad ``latest`` is logged and ignored.
+    """
     if not directory.is_dir():
         return Scan([], 0, None)
     found: list[tuple[int, str]] = []
+    quarantined: list[str] = []
     metadata: dict[str, dict[str, Any]] = {}
-    for entry in os.listdir(directory):
+    for entry in sorted(os.listdir(directory)):
         path = directory / entry
         if entry.startswith((TMP_PREFIX, TRASH_PREFIX)):
             if clean:
-                remove_tree(path)
+                _remove_leftover(path)
             continue
-        manifest_path = path / MANIFEST
-        if entry.startswith(".") or not manifest_path.is_file():
+        if entry.startswith(".") or entry == LATEST or _paths.kind(path) != "dir":
             continue
-        manifest = _parse_manifest(manifest_path, manifest_path.read_text(encoding="utf-8"))
-        found.append((int(manifest["sequence"]), entry))
+        try:
+            validate_tag(entry)
+            manifest = read_manifest(path / MANIFEST)
+        except InvalidStateError:
+            continue  # not a name aoffload gives a tag
+        except FileNotFoundError:
+            if clean and is_orphan(path):
+                logger.info("removing %s, left without a manifest by an interrupted run", path)
+                _remove_leftover(path)
+            continue
+        except (CorruptCheckpointError, OSError) as exc:
+            logger.warning(
+                "checkpoint %r in %s is quarantined, its manifest is unusable (%s): it is "
+                "not listed, loaded nor retired; repair or remove it",
+                entry,
+                directory,
+                exc,
+            )
+            quarantined.append(entry)
+            continue
+        found.append((manifest["sequence"], entry))
         if manifest.get("metadata"):
             metadata[entry] = manifest["metadata"]
     found.sort()
+    try:
+        latest = read_latest(directory)
+    except CorruptCheckpointError as exc:
+        logger.warning("ignoring %s: %s", directory / LATEST, exc)
+        latest = None
     tags = [tag for _, tag in found]
-    return Scan(tags, found[-1][0] if found else 0, read_latest(directory), metadata)
+    return Scan(tags, found[-1][0] if found else 0, latest, metadata, tuple(quarantined))
 
 
-def digest(path: Path) -> FileEntry:
-    """The size and xxh3-64 of the file at ``path``, read in blocks (see :func:`verify_file`)."""
-    with open(path, "rb", buffering=0) as file:
-        hasher = xxhash.xxh3_64()
-        size = 0
-        with mmap.mmap(-1, _VERIFY_BLOCK) as block, memoryview(block) as view:
-            while n := file.readinto(view):
-                hasher.update(view[:n])
-                size += n
+def _digest_fd(fd: int) -> FileEntry:
+    hasher = xxhash.xxh3_64()
+    size = 0
+    with mmap.mmap(-1, _VERIFY_BLOCK) as block, memoryview(block) as view:
+        while n := os.readv(fd, [view]):
+            hasher.update(view[:n])
+            size += n
     return FileEntry(size, hasher.hexdigest())
 
 
-def _sync_tree(root: Path) -> None:
-    for folder, _, names in os.walk(root):
-        for name in names:
-            fsync_path(Path(folder) / name)
-        fsync_path(Path(folder))
+def digest(path: Path) -> FileEntry:
+    """The size and xxh3-64 of the file at ``path`` (a link is refused), read in blocks."""
+    fd = _paths.open_regular(path.parent, path.name)
+    try:
+        return _digest_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def gather(tmpdir: Path, sources: Mapping[Path, list[str]], *, durable: bool) -> None:
@@ -202,13 +279,14 @@ def gather(tmpdir: Path, sources: Mapping[Path, list[str]], *, durable: bool) ->
 
     Each source directory is removed once empty; its files were durable before (the rank
     reported them so), and the renames are made durable by fsyncing ``tmpdir``'s tree.
+    Every directory is a child of the same checkpoint directory; no link is followed.
     """
-    tmpdir.mkdir(exist_ok=True)
+    directory = tmpdir.parent
+    os.close(_paths.open_dir(directory, tmpdir.name, create=True))
     for source, names in sources.items():
         for name in names:
-            target = tmpdir / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(source / name, target)
+            validate_name(name)
+            _paths.rename(directory, f"{source.name}/{name}", directory, f"{tmpdir.name}/{name}")
         remove_tree(source)
     if durable:
         for folder, _, _ in os.walk(tmpdir):
@@ -222,35 +300,65 @@ def adopt(
 
     DeepSpeed copies NVMe-offloaded optimizer state into ``save_dir/<tag>/offloaded_tensors``
     itself, around the checkpoint engine; those files are published with the tag: hashed,
-    fsynced and listed in the manifest. A name that a rank also saved is a
-    :class:`CheckpointError`. Returns the adopted files' entries.
+    fsynced and listed in the manifest. ``existing`` must be a real directory of this user
+    holding only directories and regular files: a link, a file, another user's directory or
+    a link inside is refused (:class:`CheckpointError`) before anything moves. A name that
+    a rank also saved is a :class:`CheckpointError`. Returns the adopted files' entries.
     """
     adopted: dict[str, FileEntry] = {}
-    if not existing.is_dir():
+    what = _paths.kind(existing)
+    if what == "missing":
         return adopted
-    for folder, _, names in os.walk(existing):
-        for name in names:
-            path = Path(folder) / name
-            relative = path.relative_to(existing).as_posix()
-            if relative in files:
-                raise CheckpointError(
-                    f"{path} exists already and was also saved through the engine; "
-                    "remove it or save under another name"
-                )
-            adopted[relative] = digest(path)
+    if what != "dir" or os.lstat(existing).st_uid != os.geteuid():
+        kind = {"link": "a symbolic link", "dir": "another user's directory"}.get(what, "a file")
+        raise _paths.UnsafePathError(
+            errno.EEXIST,
+            f"exists and is {kind}, not a directory aoffload can publish; nothing was moved. "
+            "Remove it or commit under another tag",
+            str(existing),
+        )
+    try:
+        names = list(_paths.regular_files(existing))
+    except _paths.UnsafePathError as exc:
+        raise _paths.UnsafePathError(
+            exc.errno,
+            f"{exc.strerror}; aoffload publishes only the plain files and directories it "
+            "finds in a tag's directory; nothing was moved",
+            exc.filename,
+        ) from None
+    for relative in names:
+        if relative in files:
+            raise CheckpointError(
+                f"{existing / relative} exists already and was also saved through the engine; "
+                "remove it or save under another name"
+            )
+        fd = _paths.open_regular(existing, relative)
+        try:
+            adopted[relative] = _digest_fd(fd)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
     if durable:
-        _sync_tree(existing)
+        for folder, _, _ in os.walk(existing):
+            fsync_path(Path(folder))
+    directory = existing.parent
     for entry in os.listdir(existing):
-        if (tmpdir / entry).exists():
+        if _paths.kind(tmpdir / entry) != "missing":
             # a top-level folder both sides have (`offloaded_tensors` next to saved files)
-            for folder, _, names in os.walk(existing / entry):
-                for name in names:
-                    target = tmpdir / (Path(folder) / name).relative_to(existing)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(Path(folder) / name, target)
+            for relative in names:
+                if relative.startswith(entry + "/"):
+                    _paths.rename(
+                        directory,
+                        f"{existing.name}/{relative}",
+                        directory,
+                        f"{tmpdir.name}/{relative}",
+                    )
             remove_tree(existing / entry)
         else:
-            os.rename(existing / entry, tmpdir / entry)
+            _paths.rename(
+                directory, f"{existing.name}/{entry}", directory, f"{tmpdir.name}/{entry}"
+            )
     os.rmdir(existing)
     return adopted
 
@@ -270,11 +378,21 @@ def publish(
 
     Files already in an uncommitted ``directory/tag`` are published too (:func:`adopt`).
     ``latest=False`` leaves the ``latest`` pointer alone. ``metadata`` (the commit's, JSON)
-    is kept in the manifest. Returns every published file.
+    is kept in the manifest. A tag that is already committed (its directory has a manifest)
+    is never rewritten: :class:`CheckpointError`. Returns every published file. Nothing is
+    followed through a link.
     """
-    tmpdir.mkdir(exist_ok=True)
+    existing = directory / tag
+    if _paths.kind(existing) == "dir" and _paths.kind(existing / MANIFEST) != "missing":
+        raise _paths.UnsafePathError(
+            errno.EEXIST,
+            "is a committed checkpoint (it has a manifest), and a committed checkpoint is "
+            "never rewritten; commit under a new tag",
+            str(existing),
+        )
+    os.close(_paths.open_dir(directory, tmpdir.name, create=True))
     everything = dict(files)
-    everything.update(adopt(tmpdir, directory / tag, files, durable=durable))
+    everything.update(adopt(tmpdir, existing, files, durable=durable))
     manifest = {
         "format": FORMAT,
         "tag": tag,
@@ -284,25 +402,44 @@ def publish(
     }
     if metadata:
         manifest["metadata"] = dict(metadata)
-    write_text(tmpdir / MANIFEST, json.dumps(manifest, indent=1), durable)
+    _write_below(directory, f"{tmpdir.name}/{MANIFEST}", json.dumps(manifest, indent=1), durable)
     if durable:
         fsync_path(tmpdir)
-    os.rename(tmpdir, directory / tag)
-    if durable:
-        fsync_path(directory)
-    if latest:
-        pointer = directory / f".{LATEST}.tmp"
-        write_text(pointer, tag + "\n", durable)
-        os.replace(pointer, directory / LATEST)
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.rename(tmpdir.name, tag, src_dir_fd=folder, dst_dir_fd=folder)
         if durable:
-            fsync_path(directory)
+            os.fsync(folder)
+    finally:
+        os.close(folder)
+    if latest:
+        point_latest(directory, tag, durable=durable)
     return everything
+
+
+def point_latest(directory: Path, tag: str | None, *, durable: bool) -> None:
+    """Make ``latest`` name ``tag`` (atomically, through a temporary), or remove it
+    (``None``); neither the pointer nor its temporary is followed if it is a link."""
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if tag is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(LATEST, dir_fd=folder)
+        else:
+            pointer = f".{LATEST}.tmp"
+            remove_tree(directory / pointer)  # a leftover (or a planted link) goes first
+            _write_below(directory, pointer, tag + "\n", durable)
+            os.replace(pointer, LATEST, src_dir_fd=folder, dst_dir_fd=folder)
+        if durable:
+            os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def retire(directory: Path, tag: str, trash_name: str) -> Path:
     """Rename a committed tag out of the listing (so a crash never leaves half a tag listed)."""
     trash = directory / f"{TRASH_PREFIX}{tag}-{trash_name}"
-    os.rename(directory / tag, trash)
+    os.rename(directory / tag, trash)  # renames the entry itself, never a link's target
     return trash
 
 
@@ -310,36 +447,79 @@ def retire(directory: Path, tag: str, trash_name: str) -> Path:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The parsed manifest at ``path``; :class:`CorruptCheckpointError` if it is not one."""
-    return _parse_manifest(path, path.read_text(encoding="utf-8"))
+    """The parsed manifest at ``path`` (``DIR/<tag>/<manifest>``).
+
+    The tag directory and the manifest are opened without following links. Raises
+    ``FileNotFoundError`` when there is none, :class:`CorruptCheckpointError` when it is
+    not a well-formed manifest, a link, or over
+    :data:`~._untrusted.MAX_MANIFEST_BYTES`.
+    """
+    root, relative = path.parent.parent, f"{path.parent.name}/{path.name}"
+    try:
+        fd = _paths.open_regular(root, relative)
+    except _paths.UnsafePathError as exc:
+        raise CorruptCheckpointError(f"{exc.filename}: {exc.strerror}") from None
+    try:
+        data = _read_bounded(fd, path, _untrusted.MAX_MANIFEST_BYTES, "a manifest")
+    finally:
+        os.close(fd)
+    return _parse_manifest(path, data)
 
 
 def read_latest(directory: Path) -> str | None:
-    """The tag ``latest`` names, or ``None``."""
+    """The tag ``latest`` names, or ``None``; :class:`CorruptCheckpointError` when
+    ``latest`` is a link, over 4 KiB, or does not name a valid tag."""
+    path = directory / LATEST
     try:
-        return (directory / LATEST).read_text(encoding="utf-8").strip() or None
-    except FileNotFoundError:
+        fd = _paths.open_regular(directory, LATEST)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except _paths.UnsafePathError as exc:
+        raise CorruptCheckpointError(f"{exc.filename}: {exc.strerror}") from None
+    try:
+        data = _read_bounded(fd, path, _LATEST_BYTES, f"{LATEST!r}")
+    finally:
+        os.close(fd)
+    try:
+        tag = data.decode("utf-8").strip()
+        return validate_tag(tag) if tag else None
+    except (UnicodeDecodeError, InvalidStateError) as exc:
+        raise CorruptCheckpointError(f"{path} does not name a checkpoint: {exc}") from None
 
 
-def verify_file(path: Path, entry: Mapping[str, Any]) -> None:
+def open_verified(root: Path, relative: str, entry: Mapping[str, Any], verify: bool) -> int:
+    """``root/relative``, opened without following a link and (with ``verify``) checked
+    against its manifest ``entry``: the descriptor, at offset 0, for the caller to close.
+
+    Whatever reads the descriptor afterwards reads the very file that was checked.
+    """
+    path = root / relative
+    fd = _open_untrusted(root, relative)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry["bytes"]:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes on disk, the manifest says {entry['bytes']}"
+            )
+        if verify:
+            if _digest_fd(fd).xxh3_64 != entry["xxh3_64"]:
+                raise CorruptCheckpointError(
+                    f"{path}: checksum mismatch (xxh3-64); the file is corrupt"
+                )
+            os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def verify_file(path: Path, entry: Mapping[str, Any], *, root: Path | None = None) -> None:
     """Check ``path`` against its manifest entry (size, xxh3-64), reading it in blocks.
 
-    The blocks go into one anonymous mapping, so neither the reads nor the hashing hold
-    the GIL for long, whatever the file's size.
+    With ``root``, no link is followed below it; without, the file itself must not be a
+    link. The blocks go into one anonymous mapping, so neither the reads nor the hashing
+    hold the GIL for long, whatever the file's size.
     """
-    try:
-        with open(path, "rb", buffering=0) as file:
-            size = os.fstat(file.fileno()).st_size
-            if size != entry["bytes"]:
-                raise CorruptCheckpointError(
-                    f"{path}: {size} bytes on disk, the manifest says {entry['bytes']}"
-                )
-            digest = xxhash.xxh3_64()
-            with mmap.mmap(-1, _VERIFY_BLOCK) as block, memoryview(block) as view:
-                while n := file.readinto(view):
-                    digest.update(view[:n])
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
-    if digest.hexdigest() != entry["xxh3_64"]:
-        raise CorruptCheckpointError(f"{path}: checksum mismatch (xxh3-64); the file is corrupt")
+    if root is None:
+        root = path.parent
+    os.close(open_verified(root, path.relative_to(root).as_posix(), entry, True))

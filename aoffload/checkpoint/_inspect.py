@@ -1,8 +1,11 @@
 """Reading a checkpoint directory without an engine: what ``python -m aoffload`` reports.
 
-Everything here reads the format :mod:`._store` defines (its constants, manifests and
+Everything here reads the format :mod:`._format` defines (its constants, manifests and
 :func:`~._format.verify_file`); :func:`clean` is the one writer, and it takes the
 directory lock (:mod:`._lock`) exclusive, so it never touches a live engine's files.
+The directory is untrusted: manifests are checked (:mod:`._untrusted`) before anything
+they name is opened, nothing is followed through a link, and a file is verified before
+``inspect`` loads it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from . import _format, _lock
+from . import _format, _lock, _paths, _shm
 
 __all__ = [
     "FileCheck",
@@ -65,24 +68,32 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
         raise CheckpointError(f"{directory} is not a directory") from exc
     infos = []
     for entry in entries:
-        manifest_path = directory / entry / _format.MANIFEST
-        if entry.startswith(".") or not manifest_path.is_file():
+        if entry.startswith(".") or _paths.kind(directory / entry) != "dir":
             continue
         try:
-            manifest = await asyncio.to_thread(_format.read_manifest, manifest_path)
-            infos.append(
-                TagInfo(
-                    entry,
-                    int(manifest["sequence"]),
-                    dict(manifest["files"]),
-                    float(manifest["created"]),
-                    metadata=dict(manifest.get("metadata") or {}),
-                )
+            manifest = await asyncio.to_thread(
+                _format.read_manifest, directory / entry / _format.MANIFEST
             )
-        except (CorruptCheckpointError, KeyError, TypeError, ValueError) as exc:
+        except FileNotFoundError:
+            continue
+        except (CorruptCheckpointError, OSError) as exc:
             infos.append(TagInfo(entry, -1, {}, None, f"unreadable manifest: {exc}"))
+            continue
+        infos.append(
+            TagInfo(
+                entry,
+                manifest["sequence"],
+                dict(manifest["files"]),
+                manifest.get("created"),
+                metadata=dict(manifest.get("metadata") or {}),
+            )
+        )
     infos.sort(key=lambda info: (info.sequence, info.tag))
-    return infos, await asyncio.to_thread(_format.read_latest, directory)
+    try:
+        latest = await asyncio.to_thread(_format.read_latest, directory)
+    except CorruptCheckpointError:
+        latest = None
+    return infos, latest
 
 
 async def resolve_tags(directory: Path, tag: str | None, every: bool) -> list[TagInfo]:
@@ -131,7 +142,9 @@ async def verify_tags(
         for name, entry in info.files.items():
             error = None
             try:
-                await asyncio.to_thread(_format.verify_file, directory / info.tag / name, entry)
+                await asyncio.to_thread(
+                    _format.verify_file, directory / info.tag / name, entry, root=directory
+                )
             except CorruptCheckpointError as exc:
                 error = str(exc)
             checks.append(FileCheck(info.tag, name, int(entry["bytes"]), error))
@@ -177,15 +190,27 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
     return count, type(value).__name__
 
 
-def _summarise(path: Path, name: str, weights_only: bool) -> FileSummary:
+def _summarise(
+    directory: Path, tag: str, name: str, entry: dict[str, Any], weights_only: bool
+) -> FileSummary:
     import torch
 
     summary = FileSummary(name)
+    path = directory / tag / name
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        fd = _format.open_verified(directory, f"{tag}/{name}", entry, True)
+    except CorruptCheckpointError as exc:
+        summary.error = str(exc)
+        return summary
+    try:
+        # the very file just verified, whatever happens to its name meanwhile
+        opened = f"/proc/self/fd/{fd}"
+        loaded = torch.load(opened, map_location="cpu", weights_only=weights_only, mmap=True)
     except Exception as exc:  # noqa: BLE001 - reported per file; the command exits non-zero
         summary.error = f"could not load {path} with weights_only={weights_only}: {exc}"
         return summary
+    finally:
+        os.close(fd)
     _describe(loaded, summary)
     summary.top = type(loaded).__name__
     if isinstance(loaded, dict):
@@ -198,11 +223,12 @@ def _summarise(path: Path, name: str, weights_only: bool) -> FileSummary:
 async def inspect_tag(
     directory: Path, info: TagInfo, *, weights_only: bool = True
 ) -> list[FileSummary]:
-    """A :class:`FileSummary` of every file of ``info``, each loaded off the event loop
+    """A :class:`FileSummary` of every file of ``info``, each verified against its
+    manifest, then loaded off the event loop with ``weights_only=True``
     (``weights_only=False``: the caller trusts the files)."""
     return [
-        await asyncio.to_thread(_summarise, directory / info.tag / name, name, weights_only)
-        for name in info.files
+        await asyncio.to_thread(_summarise, directory, info.tag, name, entry, weights_only)
+        for name, entry in info.files.items()
     ]
 
 
@@ -210,28 +236,40 @@ async def inspect_tag(
 
 
 def _size(path: Path) -> int:
-    if not path.is_dir():
+    """Bytes under ``path``, without following a link (a link counts as itself)."""
+    if _paths.kind(path) != "dir":
         return path.lstat().st_size
-    return sum(
-        (Path(root) / name).lstat().st_size for root, _, names in os.walk(path) for name in names
-    )
+    total = 0
+    for _, _, names, folder in os.fwalk(path, follow_symlinks=False):
+        total += sum(os.lstat(name, dir_fd=folder).st_size for name in names)
+    return total
 
 
 def leftovers(directory: Path) -> list[tuple[Path, int]]:
     """The entries dead runs left in ``directory`` (unpublished tags, retired tags, a
-    half-moved ``latest``), with their sizes in bytes."""
+    half-moved ``latest``, tag directories without a manifest holding only DeepSpeed's
+    NVMe offload copies), with their sizes in bytes."""
     found = []
     for entry in sorted(os.listdir(directory)):
-        if entry.startswith((_format.TMP_PREFIX, _format.TRASH_PREFIX)) or entry == _LATEST_TMP:
-            path = directory / entry
+        path = directory / entry
+        if (
+            entry.startswith((_format.TMP_PREFIX, _format.TRASH_PREFIX))
+            or entry == _LATEST_TMP
+            or (_format.is_orphan(path) and _paths.kind(path / _format.MANIFEST) == "missing")
+        ):
             found.append((path, _size(path)))
     return found
 
 
 def _is_checkpoint_directory(directory: Path) -> bool:
-    if (directory / _lock.LOCK_FILE).exists() or (directory / _format.LATEST).is_file():
+    if _paths.kind(directory / _lock.LOCK_FILE) == "file":
         return True
-    return any((path / _format.MANIFEST).is_file() for path in directory.iterdir())
+    if _paths.kind(directory / _format.LATEST) == "file":
+        return True
+    return any(
+        _paths.kind(path) == "dir" and _paths.kind(path / _format.MANIFEST) == "file"
+        for path in directory.iterdir()
+    )
 
 
 def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] | None:
@@ -251,7 +289,12 @@ def clean(directory: Path, *, dry_run: bool = False) -> list[tuple[Path, int]] |
         found = leftovers(directory)
         if not dry_run:
             for path, _ in found:
-                _format.remove_tree(path)
-        return found
+                try:
+                    _format.remove_tree(path)  # a link is removed, never what it names
+                except OSError as exc:
+                    raise CheckpointError(f"could not remove {path}: {exc}") from exc
+        # and the shared memory of dead trainers and writers (never a live one's)
+        shm = _shm.dead_files() if dry_run else _shm.remove_dead()
+        return found + [(Path(path), size) for path, size in shm]
     finally:
         lock.release()

@@ -112,25 +112,17 @@ def rebuild(path: Path, loaded: LoadedFile) -> Any:
         unlink_all(loaded.blobs)
 
 
-def _pickle_bytes(path: Path) -> int:
-    """The size of the file's ``data.pkl`` (its non-tensor values, pickled)."""
+def _pickle_bytes(path: Path, opened: str | None = None) -> int:
+    """The size of the file's ``data.pkl`` (its non-tensor values, pickled); ``opened``
+    names the same file when it was opened already (``/proc/self/fd/N``)."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(opened or path) as archive:
             return max(
                 (i.file_size for i in archive.infolist() if i.filename.endswith("/data.pkl")),
                 default=0,
             )
     except zipfile.BadZipFile as exc:
         raise CorruptCheckpointError(f"{path}: not a torch.save file ({exc})") from exc
-
-
-def _verify(path: Path, entry: dict[str, Any], verify: bool) -> int:
-    try:
-        if verify:
-            _format.verify_file(path, entry)
-        return _pickle_bytes(path)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
 
 
 def _cannot_load(path: Path, weights_only: bool, why: object) -> CheckpointError:
@@ -143,13 +135,13 @@ def _cannot_load(path: Path, weights_only: bool, why: object) -> CheckpointError
     )
 
 
-def _torch_load(path: Path, map_location: MapLocation, weights_only: bool = True) -> Any:
+def _torch_load(
+    path: Path, opened: str, map_location: MapLocation, weights_only: bool = True
+) -> Any:
     try:
         # mmap: tensors map the file's pages instead of being read into fresh memory
         # under the GIL (170 ms of loop lag for 256 MiB without it).
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
+        return torch.load(opened, map_location=map_location, weights_only=weights_only, mmap=True)
     except Exception as exc:
         raise _cannot_load(path, weights_only, exc) from exc
 
@@ -227,14 +219,21 @@ def load_file(
             f"checkpoint {tag!r} has no file {name!r}; it has {sorted(manifest['files'])}"
         )
     path = directory / tag / name
-    pickled = _verify(path, entry, verify)
-    if pickled < REMOTE_PICKLE or not _on_cpu(map_location) or not weights_only:
-        return _torch_load(path, map_location, weights_only)
+    # Opened without following a link below `directory`, and checked through the same
+    # descriptor that every later read goes through (/proc/self/fd): the file loaded is
+    # the file verified.
+    fd = _format.open_verified(directory, f"{tag}/{name}", entry, verify)
     try:
-        call = LoadFile(str(path), tuple(torch.serialization.get_safe_globals()))
-        return remote(call, lambda loaded: rebuild(path, loaded))
+        opened = f"/proc/self/fd/{fd}"
+        pickled = _pickle_bytes(path, opened)
+        if pickled < REMOTE_PICKLE or not _on_cpu(map_location) or not weights_only:
+            return _torch_load(path, opened, map_location, weights_only)
+        call = LoadFile(os.readlink(opened), tuple(torch.serialization.get_safe_globals()))
+        return remote(call, lambda loaded: rebuild(Path(opened), loaded))
     except RemoteError as exc:
         raise _cannot_load(path, True, exc.remote_message) from exc
+    finally:
+        os.close(fd)
 
 
 async def load_checkpoint(

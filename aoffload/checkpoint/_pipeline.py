@@ -106,13 +106,16 @@ class Pipeline:
             self._tags.add_seconds(job.open_tag, seconds)
             records = tuple(
                 TensorRecord(
-                    region.offset + offset,
-                    tensor.numel() * tensor.element_size(),
-                    tensor.dtype,
-                    tuple(tensor.shape),
-                    tensor.requires_grad,
+                    region.offset + planned.offsets[view.storage],
+                    planned.storages[view.storage].numel(),
+                    view.dtype,
+                    view.shape,
+                    view.requires_grad,
+                    view.stride,
+                    view.storage_offset,
+                    view.parameter,
                 )
-                for tensor, offset in zip(planned.tensors, planned.offsets, strict=True)
+                for view in planned.views
             )
             message = WriteFile(
                 str(job.open_tag.tmpdir / job.name),
@@ -120,6 +123,7 @@ class Pipeline:
                 region.offset,
                 planned.skeleton_nbytes,
                 records,
+                root=str(self._tags.directory),
             )
 
             def written(record: Any, error: BaseException | None) -> None:

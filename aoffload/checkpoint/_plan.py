@@ -32,7 +32,7 @@ from .._errors import InvalidStateError
 from ._loadable import Allowed, message, refused
 from ._staging import aligned
 
-__all__ = ["Plan", "Versions", "key_of", "modified", "plan", "version_of", "versions"]
+__all__ = ["Plan", "Versions", "View", "key_of", "modified", "plan", "version_of", "versions"]
 
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
 _UNRECORDED: Any = object()
@@ -196,12 +196,58 @@ def _locate(value: object, key: str) -> tuple[str, str] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class View:
+    """How one tensor of the state lies in its storage (``storage``: an index into
+    :attr:`Plan.storages`), and what it is (``parameter``: an ``nn.Parameter``)."""
+
+    storage: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    parameter: bool
+
+
+def _storages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[View]]:
+    """Each distinct storage of ``tensors`` once, as a flat ``uint8`` tensor over all of
+    it, and each tensor's :class:`View` of it: tensors that share a storage (views of one
+    tensor) are staged once and share it again when loaded, as with ``torch.save``."""
+    storages: list[torch.Tensor] = []
+    index: dict[object, int] = {}
+    views: list[View] = []
+    for tensor in tensors:
+        source = tensor.detach()
+        if source.is_conj() or source.is_neg():  # bits of the tensor, not of its storage
+            source = source.resolve_conj().resolve_neg()
+        storage = source.untyped_storage()
+        key: object = storage._cdata if storage.nbytes() else ("empty", len(views))
+        if key not in index:
+            index[key] = len(storages)
+            whole = torch.empty((0,), dtype=torch.uint8, device=source.device)
+            storages.append(whole.set_(storage))
+        views.append(
+            View(
+                index[key],
+                int(source.storage_offset()),
+                tuple(source.shape),
+                tuple(source.stride()),
+                source.dtype,
+                tensor.requires_grad,
+                isinstance(tensor, torch.nn.Parameter),
+            )
+        )
+    return storages, views
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A state ready to stage: its skeleton and tensors, and where each goes in the region.
 
-    The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; tensor ``i``
-    at ``offsets[i]``, with version counter ``versions[i]`` as recorded; ``nbytes`` is the
-    whole region's size. ``state`` is kept to name a key on the error path only.
+    The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; storage ``i``
+    (a flat ``uint8`` tensor over all of it) at ``offsets[i]``; tensor ``i`` is
+    ``views[i]`` of its storage, with version counter ``versions[i]`` as recorded;
+    ``nbytes`` is the whole region's size. ``state`` is kept to name a key on the error path only.
     ``unloadable`` says why ``torch.load(weights_only=True)`` would not read the file
     back (``None``: it would, or nobody checked).
     """
@@ -214,6 +260,8 @@ class Plan:
     versions: tuple[int | None, ...]
     state: object
     unloadable: str | None = None
+    storages: tuple[torch.Tensor, ...] = ()
+    views: tuple[View, ...] = ()
 
 
 def plan(state: object, name: str, recorded: Versions | None = None, check: bool = False) -> Plan:
@@ -234,10 +282,11 @@ def plan(state: object, name: str, recorded: Versions | None = None, check: bool
     unloadable = None
     if isinstance(pickler, _CheckingPickler) and pickler.refused is not None:
         unloadable = message(name, state, pickler.refused, pickler.allowed)
+    storages, views = _storages(pickler.tensors)
     offsets, total = [], aligned(chunks.nbytes)
-    for tensor in pickler.tensors:
+    for storage in storages:
         offsets.append(total)
-        total += aligned(tensor.numel() * tensor.element_size())
+        total += aligned(storage.numel())
     return Plan(
         skeleton,
         chunks.nbytes,
@@ -247,6 +296,8 @@ def plan(state: object, name: str, recorded: Versions | None = None, check: bool
         tuple(pickler.versions),
         state,
         unloadable,
+        tuple(storages),
+        tuple(views),
     )
 
 

@@ -38,6 +38,7 @@ __all__ = ["Keys", "Rendezvous", "first_line"]
 
 logger = logging.getLogger(__name__)
 
+_PROBE_SECONDS = 2.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 
 
@@ -85,6 +86,8 @@ class Rendezvous:
         self.timeout = timeout
         self.run = ""
         """The run id rank 0 chose: every store key of this engine's commits starts with it."""
+        self.address: tuple[str, int] = ("", 0)
+        """The commit store's host and port (once joined)."""
         self._directory = directory
         self._writer = writer
         self._waiter: DaemonThreadExecutor | None = None
@@ -123,18 +126,37 @@ class Rendezvous:
     def _join(self) -> _format.Scan:
         self._group = dist.new_group(backend="gloo")
         link: list[Any] = [None, None]
+        failure: Exception | None = None
         if self.rank == 0:
-            # Rank 0 publishes, even as a replica. It cleans only when it is alone.
-            self._directory.mkdir(parents=True, exist_ok=True)
-            self._lock, scan = _lock.hold_shared(
-                self._directory, lambda sole: _format.scan(self._directory, clean=sole)
-            )
-            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            timeout = datetime.timedelta(seconds=self.timeout)
-            self._store = _TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
-            link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
+            # Rank 0 publishes, even as a replica: it is the directory's one writer. It
+            # cleans only when it is alone. Whatever fails, every rank hears of it.
+            try:
+                self._directory.mkdir(parents=True, exist_ok=True)
+                self._lock, scan = _lock.hold_shared(
+                    self._directory,
+                    lambda sole: _format.scan(self._directory, clean=sole),
+                    writer=True,
+                )
+                host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+                timeout = datetime.timedelta(seconds=self.timeout)
+                self._store = _TCPStore(
+                    host, 0, None, True, timeout=timeout, wait_for_workers=False
+                )
+                link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
+            except Exception as exc:  # noqa: BLE001 - raised on every rank, below
+                link = [None, f"rank 0 could not start: {exc}"]
+                failure = exc
         dist.broadcast_object_list(link, src=0, group=self._group)
+        if link[0] is None:
+            if self.rank == 0 and failure is not None:
+                if isinstance(failure, OSError):
+                    raise CheckpointError(
+                        f"cannot use {self._directory} as a checkpoint directory: {failure}"
+                    ) from failure
+                raise failure
+            raise CheckpointError(f"the distributed checkpoint engine did not start: {link[1]}")
         (host, port, self.run), scan = link
+        self.address = (host, port)
         if self.rank != 0:
             self._store = self._connect(host, port)
             if self._writer:
@@ -191,6 +213,20 @@ class Rendezvous:
         acks = [keys.ack(rank) for rank in range(1, self.world)]
         self._store.wait(acks, datetime.timedelta(seconds=seconds))
 
+    def store_alive(self) -> bool:
+        """Whether rank 0's store still takes connections (always, on rank 0).
+
+        Asked with a plain socket: a ``TCPStore`` call on a closed connection prints a C++
+        stack trace to stderr, which no Python setting silences.
+        """
+        if self.rank == 0:
+            return True
+        try:
+            socket.create_connection(self.address, timeout=_PROBE_SECONDS).close()
+        except OSError:
+            return False
+        return True
+
     # -- leave ---------------------------------------------------------------------------
 
     def leave(self, farewell: Any) -> None:
@@ -199,12 +235,14 @@ class Rendezvous:
         try:
             if self._store is not None:
                 farewell()
-                group, self._group = self._group, None
+        finally:
+            group, self._group = self._group, None
+            try:
                 if group is not None and dist.is_initialized():
                     dist.destroy_process_group(group)
-        finally:
-            self._store = self._waiting = None
-            if waiter is not None:
-                waiter.shutdown(wait=False)  # it may still block on a key nobody will set
-            if self._lock is not None:
-                self._lock.release()
+            finally:
+                self._store = self._waiting = None
+                if waiter is not None:
+                    waiter.shutdown(wait=False)  # it may still block on a key nobody sets
+                if self._lock is not None:
+                    self._lock.release()

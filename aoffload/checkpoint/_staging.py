@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
+from ._shm import segment_prefix
 
 __all__ = ["ALIGN", "Region", "Segment", "Slot", "SlotPool", "aligned"]
 
@@ -52,7 +53,8 @@ class Segment:
         directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else None
         if directory is None:
             raise OSError("aoffload needs /dev/shm (a tmpfs) for checkpoint staging memory")
-        self.path = os.path.join(directory, f"aoffload-{os.getpid()}-{next(_names)}")
+        # named by its owner (pid and start time): a later start sweeps a dead one's (_shm)
+        self.path = os.path.join(directory, f"{segment_prefix()}{next(_names)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)

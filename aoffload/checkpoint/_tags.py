@@ -110,7 +110,7 @@ class Tags:
     """The tags in flight of one engine, and the staging slots they hold."""
 
     def __init__(self, directory: Path, max_pending: int) -> None:
-        self._directory = directory
+        self.directory = directory
         self._cond = threading.Condition()
         self._open: dict[str, OpenTag] = {}
         self._slots = SlotPool(max_pending)
@@ -147,7 +147,7 @@ class Tags:
             return job
 
     def _new(self, tag: str) -> OpenTag:
-        return OpenTag(tag, self._directory / f"{TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}")
+        return OpenTag(tag, self.directory / f"{TMP_PREFIX}{tag}-{uuid.uuid4().hex[:8]}")
 
     def _take_slot(self, open_tag: OpenTag) -> None:
         open_tag.slot = self._slots.take()

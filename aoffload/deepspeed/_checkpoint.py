@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,10 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .._errors import AoffloadError, CheckpointError, ClosedError
 from ..checkpoint._core import EngineCore
+from ..checkpoint._load import Remote, in_writer
 from ..checkpoint._tags import FileJob
 from ._inflight import CommitsInFlight
+from ._load import load_verified
 
 __all__ = ["AsyncCheckpointEngine", "install"]
 
@@ -228,10 +231,21 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         self._open.files += 1
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """Load ``path`` with ``torch.load`` after any commit still in flight is durable."""
+        """Load ``path`` once every commit still in flight is durable, safely.
+
+        The file must belong to a committed aoffload tag: it is checked against the tag's
+        manifest (``CorruptCheckpointError`` naming it on a mismatch), then loaded with
+        ``torch.load(weights_only=True)``, DeepSpeed's own checkpoint classes allowed
+        (:data:`~._load.DEEPSPEED_SAFE_GLOBALS`), never with ``weights_only=False``.
+        Objects of yours in ``client_state`` need ``torch.serialization.add_safe_globals``.
+        """
         self._check_open()
         self.wait()
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_verified(path, map_location, self._loader_for)
+
+    def _loader_for(self, directory: Path) -> Remote:
+        engine = self._engines.get(os.path.abspath(directory))
+        return in_writer(engine.writer if engine is not None else None)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Wait for the tag's snapshot copy, start its commit, return; durable in the background.

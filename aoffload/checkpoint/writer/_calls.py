@@ -21,6 +21,7 @@ __all__ = [
     "MapSegment",
     "SyncTree",
     "TensorRecord",
+    "WatchRank",
     "WriteFile",
     "WriterConfig",
 ]
@@ -44,13 +45,19 @@ class MapSegment(Call[None]):
 
 @dataclass(frozen=True, slots=True)
 class TensorRecord:
-    """One contiguous tensor in a staging segment."""
+    """One tensor: a view (``storage_offset``, ``shape``, ``stride``, in elements of
+    ``dtype``) of the storage staged at ``offset`` (``nbytes`` long) of a segment. Tensors
+    that shared a storage name the same ``offset`` and share it again, as ``torch.save``
+    keeps them; ``parameter`` restores an ``nn.Parameter``."""
 
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     requires_grad: bool
+    stride: tuple[int, ...] | None = None
+    storage_offset: int = 0
+    parameter: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +77,8 @@ class WriteFile(Call[FileRecord]):
     The skeleton (the state pickled with a persistent id per tensor) lies at
     ``skeleton_offset``, ``skeleton_nbytes`` long: it holds every non-tensor value of
     the state, so it can be large, and like the tensors it travels through staging
-    memory, never through the pipe.
+    memory, never through the pipe. ``root`` is the checkpoint directory: ``path`` lies
+    below it and is opened without following a link below it.
     """
 
     path: str
@@ -78,6 +86,7 @@ class WriteFile(Call[FileRecord]):
     skeleton_offset: int
     skeleton_nbytes: int
     tensors: tuple[TensorRecord, ...]
+    root: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +94,23 @@ class SyncTree(Call[None]):
     """Fsync ``root`` and every directory below it."""
 
     root: str
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRank(Call[None]):
+    """If the trainer dies before it disarms this (``run=""``), tell the other ranks.
+
+    A distributed engine's writer outlives a SIGKILLed trainer by a moment (it sees its
+    request pipe close): it then sets the outcome of commits ``n`` and ``n + 1`` of
+    ``run`` in the commit store at ``host:port`` to "rank ``rank``'s trainer died", so
+    the peers' ``commit()`` raises at once instead of after ``commit_timeout``.
+    """
+
+    host: str = ""
+    port: int = 0
+    run: str = ""
+    rank: int = 0
+    n: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,13 @@ from ._calls import (
     MapSegment,
     SyncTree,
     TensorRecord,
+    WatchRank,
     WriteFile,
     WriterConfig,
 )
 from ._loader import load_in_worker, unlink_all
 from ._sink import Sink, open_for_write
+from ._watch import announce_death
 
 __all__ = ["TARGET", "WriterService"]
 
@@ -65,18 +67,23 @@ class WriterService(Service):
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
+        self._watch = WatchRank()  # armed (a run) while a distributed trainer may die
         background_policy()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
         torch.serialization.set_crc32_options(False)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
-        """Map a segment, write a file, fsync a tree, load a file for the trainer."""
+        """Map a segment, write a file, fsync a tree, load a file, watch the trainer."""
         return {
             MapSegment: self._map,
             WriteFile: self._write,
             SyncTree: self._sync,
             LoadFile: self._load,
+            WatchRank: self._arm,
         }
+
+    def _arm(self, message: WatchRank) -> None:
+        self._watch = message
 
     def _load(self, message: LoadFile) -> LoadedFile:
         self._blobs = [blob for blob in self._blobs if os.path.exists(blob)]
@@ -90,23 +97,39 @@ class WriterService(Service):
             os.close(fd)
         self._segments[message.path] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
 
-    def _tensor(self, array: np.ndarray[Any, Any], record: TensorRecord) -> torch.Tensor:
-        if record.nbytes == 0:
-            return torch.empty(record.shape, dtype=record.dtype)
-        flat = torch.from_numpy(array[record.offset : record.offset + record.nbytes])
-        tensor = flat.view(record.dtype).view(record.shape)
+    @staticmethod
+    def _tensor(
+        array: np.ndarray[Any, Any],
+        record: TensorRecord,
+        storages: dict[int, torch.UntypedStorage],
+    ) -> torch.Tensor:
+        if record.nbytes == 0:  # an empty storage takes no room: it has no offset of its own
+            storage = torch.empty((0,), dtype=torch.uint8).untyped_storage()
+        elif (found := storages.get(record.offset)) is not None:
+            storage = found
+        else:
+            flat = torch.from_numpy(array[record.offset : record.offset + record.nbytes])
+            storage = storages[record.offset] = flat.untyped_storage()
+        stride = record.stride
+        if stride is None:  # a contiguous tensor of its own
+            stride = torch.empty(record.shape, device="meta").stride()
+        tensor = torch.empty((0,), dtype=record.dtype).set_(
+            storage, record.storage_offset, record.shape, stride
+        )
+        if record.parameter:
+            return torch.nn.Parameter(tensor, requires_grad=record.requires_grad)
         return tensor.requires_grad_() if record.requires_grad else tensor
 
     def _write(self, message: WriteFile) -> FileRecord:
         started = time.perf_counter()
         _, array = self._segments[message.segment]
-        tensors = [self._tensor(array, record) for record in message.tensors]
+        storages: dict[int, torch.UntypedStorage] = {}
+        tensors = [self._tensor(array, record, storages) for record in message.tensors]
         start = message.skeleton_offset
         skeleton = array[start : start + message.skeleton_nbytes].tobytes()
         state = _Unpickler(skeleton, tensors).load()
-        os.makedirs(os.path.dirname(message.path), exist_ok=True)
         fd, buffers, self._bounce = open_for_write(
-            message.path, self._config.direct_io, self._bounce
+            message.path, self._config.direct_io, self._bounce, message.root
         )
         sink = Sink(fd, buffers, self._io_thread)
         try:
@@ -136,7 +159,10 @@ class WriterService(Service):
                 os.close(fd)
 
     def close(self) -> None:
-        """Unmap every staging segment; remove what loads left that the trainer never read."""
+        """Unmap every staging segment; remove what loads left that the trainer never read;
+        if the trainer died with its rank's watch armed, tell the other ranks first."""
+        if self._watch.run:  # the trainer went without disarming it: it died
+            announce_death(self._watch)
         unlink_all(self._blobs)
         while self._segments:
             _, (mapping, array) = self._segments.popitem()

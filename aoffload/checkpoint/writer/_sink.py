@@ -10,10 +10,13 @@ import io
 import logging
 import mmap
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from .. import _paths
 
 __all__ = ["BOUNCE_BYTES", "Sink", "open_for_write"]
 
@@ -115,18 +118,30 @@ class Sink(io.RawIOBase):
 
 
 def open_for_write(
-    path: str, direct_io: bool, bounce: mmap.mmap | None
+    path: str, direct_io: bool, bounce: mmap.mmap | None, root: str = ""
 ) -> tuple[int, tuple[memoryview, memoryview] | None, mmap.mmap | None]:
     """Open ``path`` for writing, with ``O_DIRECT`` when asked and supported.
 
-    Returns the fd, the two bounce buffers (``None`` without ``O_DIRECT``) and the
-    mapping that holds them (``bounce``, or one made here, for the caller to keep).
+    With ``root`` (the checkpoint directory), ``path`` lies below it and is opened, its
+    missing directories made, without following a link below ``root``. Returns the fd,
+    the two bounce buffers (``None`` without ``O_DIRECT``) and the mapping that holds them
+    (``bounce``, or one made here, for the caller to keep).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+    def opener(extra: int) -> int:
+        if not root:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return os.open(path, flags | extra, 0o644)
+        relative = Path(path).relative_to(root).as_posix()
+        return _paths.open_file(Path(root), relative, flags | extra, 0o644, parents=True)
+
     direct = getattr(os, "O_DIRECT", 0)
     if direct_io and direct:
         try:
-            fd = os.open(path, flags | direct, 0o644)
+            fd = opener(direct)
+        except _paths.UnsafePathError:
+            raise
         except OSError:
             logger.debug("O_DIRECT is not supported for %s; writing through the page cache", path)
         else:
@@ -134,4 +149,4 @@ def open_for_write(
                 bounce = mmap.mmap(-1, 2 * BOUNCE_BYTES)
             both = memoryview(bounce)
             return fd, (both[:BOUNCE_BYTES], both[BOUNCE_BYTES:]), bounce
-    return os.open(path, flags, 0o644), None, bounce
+    return opener(0), None, bounce
