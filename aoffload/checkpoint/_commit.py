@@ -172,6 +172,8 @@ class Catalog:
         self._keep_last = keep_last
         self._trash: DaemonThreadExecutor | None = None
         self._deletions: set[concurrent.futures.Future[None]] = set()
+        self.holding: Callable[[str], concurrent.futures.Future[Any] | None] | None = None
+        """What still reads a committed tag (its upload): retention deletes it after."""
 
     @property
     def tags(self) -> list[str]:
@@ -202,18 +204,21 @@ class Catalog:
         result: Callable[[Mapping[str, _format.FileEntry]], CommitResult],
         *,
         latest: bool = True,
+        sequence: int | None = None,
     ) -> CommitResult:
         """Publish ``tmpdir`` as ``tag`` and (with ``latest``) move ``latest``; then retire.
 
         ``result(files)`` builds the :class:`CommitResult` from every published file.
-        Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
+        ``sequence`` is the tag's (default: one above the last). Raises
+        :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
         """
+        sequence = self.sequence + 1 if sequence is None else sequence
         publish = functools.partial(
             _format.publish,
             tmpdir,
             self.directory,
             tag,
-            self.sequence + 1,
+            sequence,
             files,
             durable=self._durable,
             latest=latest,
@@ -226,7 +231,7 @@ class Catalog:
                 f"{_format.LATEST!r} still names {self.latest!r}"
             ) from exc
         done = result(published)
-        self.record(tag, self.sequence + 1, done, latest=latest)
+        self.record(tag, sequence, done, latest=latest)
         logger.info(
             "checkpoint %s committed: %d files, %.3f GB, staged in %.3f s, written in "
             "%.3f s (%.2f GB/s), commit %.3f s",
@@ -263,18 +268,29 @@ class Catalog:
                     return
                 tag = self._tags.pop(0)
                 self._results.pop(tag, None)
-            try:
-                trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
-            except OSError:
-                logger.exception("retention could not delete checkpoint %r; left in place", tag)
-                continue
+            if not (self.directory / tag).is_dir():
+                continue  # only in the remote tier
+            held = self.holding(tag) if self.holding is not None else None
+            if held is None:
+                try:
+                    trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+                except OSError:
+                    logger.exception("retention could not delete checkpoint %r; left in place", tag)
+                    continue
             # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
             # close() waits for it.
             if self._trash is None:
                 self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-            deletion = self._trash.submit(_format.remove_tree, trash)
+            if held is None:
+                deletion = self._trash.submit(_format.remove_tree, trash)
+            else:
+                deletion = self._trash.submit(self._retire_after, tag, held)
             self._deletions.add(deletion)
             deletion.add_done_callback(self._deleted)
+
+    def _retire_after(self, tag: str, held: concurrent.futures.Future[Any]) -> None:
+        concurrent.futures.wait([held])
+        _format.remove_tree(_format.retire(self.directory, tag, uuid.uuid4().hex[:8]))
 
     def _deleted(self, deletion: concurrent.futures.Future[None]) -> None:
         self._deletions.discard(deletion)

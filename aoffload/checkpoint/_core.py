@@ -15,8 +15,11 @@ writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (:mod:`.write
 commit thread        one commit at a time, in request order: wait for the writes,
                      fsync, publish, ``latest``, retention (:mod:`._commit`), with
                      every rank (:mod:`._distributed`)
-load thread          verify and load (:mod:`._load`)
+load thread          verify and load (:mod:`._load`); from the remote tier
+                     through its cache (:mod:`._upload`)
 trash thread         deleting retired tags
+upload thread        with ``remote=``: each committed tag, in commit order, through
+                     the uploader process (:mod:`._upload`, :mod:`.remote`)
 ===================  ==============================================================
 
 The tags in flight have one owner, :class:`~._tags.Tags`.
@@ -29,6 +32,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,9 @@ from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline
 from ._plan import modified
+from ._spread import SpreadRanks
 from ._tags import FileJob, OpenTag, Tags
+from ._upload import RemoteTier, load_either
 from .writer import TARGET
 from .writer._calls import WriterConfig
 
@@ -85,6 +91,9 @@ class EngineCore:
         direct_io: bool = True,
         distributed: bool = False,
         commit_timeout: float = 300.0,
+        remote: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_timeout: float = 600.0,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
@@ -101,11 +110,27 @@ class EngineCore:
         )
         self.tags = Tags(self.directory, max_pending)
         self.catalog = Catalog(self.directory, durable=durable, keep_last=keep_last)
-        self._ranks = (
-            Ranks(self.directory, writer=writer, durable=durable, timeout=commit_timeout)
-            if distributed
+        self.remote = (
+            RemoteTier(
+                self.directory,
+                remote,
+                storage_options,
+                keep_last=keep_last,
+                upload_timeout=upload_timeout,
+                close_timeout=close_timeout,
+            )
+            if remote is not None
             else None
         )
+        self._ranks: Ranks | None = None
+        if distributed:  # without a shared filesystem: each rank keeps its files (_spread)
+            kind = Ranks if self.remote is None else SpreadRanks
+            self._ranks = kind(
+                self.directory, writer=writer, durable=durable, timeout=commit_timeout
+            )
+        if self.remote is not None:
+            self.remote.ranks = self._ranks
+            self.catalog.holding = self.remote.holding  # retention waits for an upload
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -129,10 +154,14 @@ class EngineCore:
         if self._running or self._closed:
             raise ClosedError("this checkpoint engine was already started; create a new one")
         try:
+            if self.remote is not None:
+                self.remote.spawn()  # it starts while the directory is scanned
             if self._ranks is not None:  # rank 0 alone may clean (see _lock)
                 found = self._ranks.start()
             else:
                 self._lock, found = _scan_alone(self.directory, self.writer is not None)
+            if self.remote is not None:
+                found = self.remote.join(self._start_timeout, found)
             self.catalog.found(found)
             self._commits = DaemonThreadExecutor("aoffload-commit")
             self._loads = DaemonThreadExecutor("aoffload-load")
@@ -237,6 +266,8 @@ class EngineCore:
             self.tags.own(future)
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
+            if self.remote is not None:
+                self.remote.follow(open_tag.tag, future, latest, self.tags.own)
             self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
         return future
 
@@ -275,10 +306,22 @@ class EngineCore:
         """Load file ``name`` of committed ``tag`` on the load thread; the future of it."""
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
-        remote = in_writer(self.writer)
+        loader = in_writer(self.writer)
+        if self.remote is not None:
+            latest = self.catalog.latest
+            return self._loads.submit(
+                load_either, self.remote, name, tag, latest, map_location, verify, loader
+            )
         return self._loads.submit(
-            load_file, self.directory, name, tag, map_location, verify, remote
+            load_file, self.directory, name, tag, map_location, verify, loader
         )
+
+    def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:
+        """The future of ``tag``'s upload to the remote tier (default: the newest commit)."""
+        self.check_running()
+        if self.remote is None:
+            raise InvalidStateError("this engine has no remote tier (CheckpointEngine(remote=...))")
+        return self.remote.uploaded(None if tag is None else _format.validate_tag(tag))
 
     # -- close ---------------------------------------------------------------------------
 
@@ -313,6 +356,13 @@ class EngineCore:
         self.tags.raise_background()
 
     def _release(self, open_tags: list[OpenTag]) -> None:
+        try:
+            if self.remote is not None:
+                self.remote.close()  # the uploads in flight, bounded by upload_timeout
+        finally:
+            self._release_local(open_tags)
+
+    def _release_local(self, open_tags: list[OpenTag]) -> None:
         try:
             if self.writer is not None:
                 self.writer.stop()  # the writer drains what was sent first

@@ -250,8 +250,17 @@ class Ranks:
     ) -> CommitResult:
         """Ranks but 0: wait for rank 0 to publish; take note of it."""
         tag = open_tag.tag
+        answer = self._answer(keys, tag, catalog)
+        done = committed(catalog.directory, open_tag, records, started, answer["files"])
+        catalog.record(tag, int(answer["sequence"]), done, latest=latest)
+        catalog.forget_old()
+        self._meet.set(keys.ack(self.rank), "1")
+        return done
+
+    def _answer(self, keys: Keys, tag: str, catalog: Catalog) -> dict[str, Any]:
+        """Ranks but 0: rank 0's answer, once it has published ``tag``; raise if it could not."""
         try:
-            answer = json.loads(self._meet.wait_for(keys.result).result())
+            answer: dict[str, Any] = json.loads(self._meet.wait_for(keys.result).result())
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {tag!r}: every rank wrote its files, but rank 0 did not say "
@@ -262,11 +271,7 @@ class Ranks:
                 f"checkpoint {tag!r}: rank 0 could not publish it: {answer['error']}; "
                 f"{_format.LATEST!r} still names {catalog.latest!r}"
             )
-        done = committed(catalog.directory, open_tag, records, started, answer["files"])
-        catalog.record(tag, int(answer["sequence"]), done, latest=latest)
-        catalog.forget_old()
-        self._meet.set(keys.ack(self.rank), "1")
-        return done
+        return answer
 
     # -- close --------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,6 +106,15 @@ class CheckpointEngine(AsyncResource):
     job (see :mod:`._distributed`): ``start()`` and ``commit()`` are collectives, each
     rank saves its own files, and ``commit_timeout`` bounds the wait for a rank whose
     writer never reports (a blocked event loop never counts: reports come from a thread).
+
+    ``remote=URL`` (any fsspec URL: ``s3://bucket/run``, ``gs://``, ``az://``,
+    ``file://``) adds a remote tier, reached with ``storage_options`` (passed to fsspec
+    unchanged, never logged): ``directory`` stays the fast tier, where ``commit()`` makes
+    a tag durable, and each committed tag is then uploaded in the background by an
+    uploader process (see :meth:`uploaded`). ``upload_timeout`` bounds how long
+    ``aclose()`` waits for the uploads in flight. On an empty ``directory``, ``latest()``,
+    ``tags()`` and ``load()`` see the remote tier. With ``distributed=True`` every rank
+    may use its own node-local ``directory``: no shared filesystem is needed.
     """
 
     _what = "this CheckpointEngine"
@@ -123,6 +132,9 @@ class CheckpointEngine(AsyncResource):
         direct_io: bool = True,
         distributed: bool = False,
         commit_timeout: float = 300.0,
+        remote: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_timeout: float = 600.0,
     ) -> None:
         self._core = EngineCore(
             directory,
@@ -135,6 +147,9 @@ class CheckpointEngine(AsyncResource):
             direct_io=direct_io,
             distributed=distributed,
             commit_timeout=commit_timeout,
+            remote=remote,
+            storage_options=storage_options,
+            upload_timeout=upload_timeout,
         )
         super().__init__()
 
@@ -250,6 +265,27 @@ class CheckpointEngine(AsyncResource):
         self.check_running()
         self._core.commit(tag, True)
 
+    async def uploaded(self, tag: str | None = None) -> CommitResult:
+        """Wait until checkpoint ``tag`` is published in the remote tier; its :class:`CommitResult`.
+
+        ``tag=None`` is this engine's newest commit. A tag is published remotely once every
+        file, then its manifest, then ``latest`` are uploaded (with several ranks: every
+        rank's files, then rank 0's one manifest). Awaiting is optional: the engine owns
+        every upload, and a failure nobody awaited is raised by its next call, as a failed
+        :meth:`commit_soon` is. Raises :class:`CheckpointError` saying why the upload
+        failed (retried with backoff first; with several ranks, naming the rank), the
+        commit's own error if the commit failed, :class:`InvalidStateError` for a tag this
+        engine did not commit that the remote tier does not hold, or without ``remote=``.
+        Cancelling the wait abandons the wait only.
+        """
+        self.check_running()
+        future = self._core.uploaded(tag)
+        try:
+            return await _result(future)
+        except AoffloadError:
+            self._core.tags.commit_seen(future)  # raised here: not again from the next call
+            raise
+
     # -- load ---------------------------------------------------------------------------
 
     async def load(
@@ -263,7 +299,9 @@ class CheckpointEngine(AsyncResource):
         """Load file ``name`` of committed checkpoint ``tag`` (default: the newest).
 
         Verified against the manifest (``CorruptCheckpointError`` naming the file on a
-        mismatch), loaded with ``weights_only=True`` on the engine's load thread.
+        mismatch), loaded with ``weights_only=True`` on the engine's load thread. With a
+        remote tier, a file that is not in ``directory`` is downloaded by the uploader,
+        verified against the remote manifest and cached in ``directory/.remote-cache``.
         """
         super().check_running()
         return await _result(self._core.load(name, tag, map_location, verify))

@@ -92,6 +92,7 @@ class Rendezvous:
         self._waiting: Any = None  # the connection its waiter thread blocks on
         self._group: Any = None
         self._lock: _lock.DirectoryLock | None = None
+        self._address: tuple[str, int] | None = None
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class Rendezvous:
             link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
         dist.broadcast_object_list(link, src=0, group=self._group)
         (host, port, self.run), scan = link
+        self._address = (host, port)
         if self.rank != 0:
             self._store = self._connect(host, port)
             if self._writer:
@@ -146,6 +148,12 @@ class Rendezvous:
         if not isinstance(scan, _format.Scan):
             raise CheckpointError(f"rank 0 sent {type(scan).__name__} instead of its scan")
         return scan
+
+    def connect(self) -> Any:
+        """A connection of its own to the commit store, for a thread that blocks on it."""
+        if self._address is None:
+            raise CheckpointError("the distributed engine was never started")
+        return self._connect(*self._address)
 
     # -- the store (blocking) ----------------------------------------------------------
 

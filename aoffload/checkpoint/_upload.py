@@ -1,0 +1,396 @@
+"""The remote tier of one engine, on the trainer's side: uploads the engine owns.
+
+``CheckpointEngine(directory, remote=URL)`` keeps ``directory`` as the fast tier: a commit
+is durable there, as without a remote tier. Each committed tag is then uploaded in the
+background, in commit order, by :class:`RemoteTier`:
+
+===================  ==============================================================
+thread / process     work
+===================  ==============================================================
+the commit thread    on a successful commit, hands the tag to the upload thread
+upload thread        one tag at a time: asks the uploader for the files, then the
+                     manifest, then ``latest``, then remote retention; with several
+                     ranks, the protocol of :mod:`._spread` over the commit store
+uploader process     the transfers themselves (:mod:`.remote`): concurrent files,
+                     multipart parts, retries with backoff
+load thread          a file found only in the remote tier: downloaded, verified
+                     against the manifest, cached in ``directory/.remote-cache/``
+===================  ==============================================================
+
+Nothing here runs on the event loop or on the trainer's threads; the loop only learns that
+an upload ended (``await engine.uploaded(tag)``). Each tag's upload has a future; the engine
+owns it, so a failure nobody awaited is raised by the engine's next call. Local retention
+keeps a tag until its upload has ended (:meth:`RemoteTier.holding`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import (
+    AoffloadError,
+    CheckpointError,
+    ClosedError,
+    CorruptCheckpointError,
+    InvalidStateError,
+    RemoteError,
+)
+from .._runtime.core import WorkerCore
+from .._runtime.protocol import Call
+from .._runtime.threads import DaemonThreadExecutor, mark_retrieved, running_future
+from . import _format
+from ._commit import CommitResult
+from ._load import MapLocation, Remote, load_file
+from .remote import TARGET
+from .remote._calls import (
+    Fetch,
+    PutFiles,
+    PutText,
+    ReadManifest,
+    RemoveTags,
+    ScanRemote,
+    UploaderConfig,
+)
+from .remote._store import RemoteScan, is_url, redact_url
+
+__all__ = ["CACHE", "RemoteTier", "load_either", "merge", "result_of"]
+
+logger = logging.getLogger(__name__)
+
+CACHE = ".remote-cache"
+"""Where downloaded files are kept, laid out as a checkpoint directory of its own."""
+_KEEP_FUTURES = 64
+
+
+def merge(local: _format.Scan, directory: Path, remote: RemoteScan) -> _format.Scan:
+    """The tags of both tiers, oldest first by sequence; ``latest`` the newer of the two."""
+    sequences = remote.sequences()
+    for tag in local.tags:
+        try:
+            manifest = _format.read_manifest(directory / tag / _format.MANIFEST)
+            sequences[tag] = int(manifest["sequence"])
+        except (OSError, CheckpointError, KeyError, ValueError):
+            sequences.setdefault(tag, 0)
+    tags = [tag for _, tag in sorted((s, t) for t, s in sequences.items())]
+    candidates = [t for t in (local.latest, remote.latest) if t is not None and t in sequences]
+    latest = max(candidates, key=lambda t: sequences[t], default=local.latest)
+    return _format.Scan(tags, max([local.sequence, *sequences.values()]), latest)
+
+
+def result_of(directory: Path, manifest: Mapping[str, Any]) -> CommitResult:
+    """A :class:`CommitResult` for a tag this engine did not commit (from its manifest)."""
+    files = {name: int(entry["bytes"]) for name, entry in manifest["files"].items()}
+    tag = str(manifest["tag"])
+    return CommitResult(tag, directory / tag, tuple(files), sum(files.values()), 0.0, 0.0, 0.0)
+
+
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = running_future()
+    future.set_result(value)
+    return future
+
+
+class RemoteTier:
+    """The remote tier of one engine: its uploader process and its uploads, in commit order.
+
+    ``spawn()``, then ``join()`` (waits for the uploader, scans the remote tier) at the
+    engine's start; :meth:`follow` for every commit; :meth:`close` at its end.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        url: object,
+        storage_options: Mapping[str, Any] | None,
+        *,
+        keep_last: int | None,
+        upload_timeout: float,
+        close_timeout: float,
+    ) -> None:
+        if not is_url(url):
+            raise ValueError(f"remote must be an fsspec URL such as 's3://bucket/run', not {url!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError("storage_options must be a mapping (fsspec's options for the URL)")
+        if not upload_timeout > 0:
+            raise ValueError(f"upload_timeout must be > 0 seconds, not {upload_timeout!r}")
+        self.directory = directory
+        self.url = redact_url(str(url))
+        self.timeout = upload_timeout
+        self._keep_last = keep_last
+        config = UploaderConfig(str(url), dict(storage_options or {}))
+        self.uploader = WorkerCore(
+            TARGET, config, name="checkpoint-uploader", close_timeout=close_timeout
+        )
+        self.ranks: Any = None
+        """The distributed protocol (:class:`._spread.SpreadRanks`), set by the engine."""
+        self._lock = threading.Lock()
+        self._futures: collections.OrderedDict[str, concurrent.futures.Future[CommitResult]] = (
+            collections.OrderedDict()
+        )
+        self._manifests: dict[str, dict[str, Any]] = {}
+        self.latest: str | None = None
+        """The tag the remote ``latest`` names, as of the scan and this engine's uploads."""
+        self._thread: DaemonThreadExecutor | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def spawn(self) -> None:
+        """Start the uploader process (its start overlaps the writer's)."""
+        self.uploader.spawn()
+
+    def join(self, timeout: float, local: _format.Scan) -> _format.Scan:
+        """Wait for the uploader, scan the remote tier; both tiers' tags (blocking)."""
+        try:
+            self.uploader.ready.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self.uploader.startup_timeout(timeout) from None
+        scan = self.call(ScanRemote(), f"could not list the remote tier {self.url}")
+        with self._lock:
+            self._manifests, self.latest = dict(scan.manifests), scan.latest
+        self._thread = DaemonThreadExecutor("aoffload-upload")
+        return merge(local, self.directory, scan)
+
+    def call(self, call: Call[Any], what: str) -> Any:
+        """Run ``call`` in the uploader (blocking); its errors as :class:`CheckpointError`."""
+        try:
+            return self.uploader.request(call)
+        except RemoteError as exc:
+            kind = CorruptCheckpointError if "Corrupt" in exc.remote_type else CheckpointError
+            raise kind(f"{what}: {exc.remote_message}") from None
+
+    def close(self) -> None:
+        """Wait for the uploads in flight (at most ``upload_timeout`` in all), then stop the
+        uploader. An upload still running then fails (:class:`CheckpointError`)."""
+        with self._lock:
+            pending = [f for f in self._futures.values() if not f.done()]
+        _, late = concurrent.futures.wait(pending, timeout=self.timeout)
+        if late:
+            logger.warning(
+                "closing with %d upload(s) to %s still running after upload_timeout=%s s; "
+                "they are abandoned (the checkpoints stay in the local tier)",
+                len(late),
+                self.url,
+                self.timeout,
+            )
+        try:
+            self.uploader.stop()  # an upload in flight fails: its future fails with it
+            self.uploader.release()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+            error = ClosedError(f"the engine closed before the upload to {self.url} ended")
+            for future in late:
+                if not future.done():
+                    future.set_exception(error)
+
+    # -- uploads ---------------------------------------------------------------------------
+
+    def follow(
+        self,
+        tag: str,
+        commit: concurrent.futures.Future[CommitResult],
+        latest: bool,
+        own: Callable[[concurrent.futures.Future[Any]], None],
+    ) -> None:
+        """Upload ``tag`` once ``commit`` succeeds; ``own`` the upload's future then.
+
+        A failed commit fails the upload's future with the commit's error (the commit's
+        own future reports it: it is not owned twice).
+        """
+        upload: concurrent.futures.Future[CommitResult] = running_future()
+        upload.add_done_callback(mark_retrieved)
+        with self._lock:
+            self._futures[tag] = upload
+            self._futures.move_to_end(tag)
+            while len(self._futures) > _KEEP_FUTURES:
+                oldest = next(iter(self._futures))
+                if not self._futures[oldest].done():
+                    break
+                del self._futures[oldest]
+
+        def committed(future: concurrent.futures.Future[CommitResult]) -> None:
+            error = future.exception()
+            if error is not None:
+                upload.set_exception(error)
+                return
+            own(upload)
+            thread = self._thread
+            try:
+                if thread is None:
+                    raise RuntimeError("not started")
+                thread.submit(self._upload, tag, future.result(), latest, upload)
+            except RuntimeError:
+                upload.set_exception(ClosedError(f"the engine closed before uploading {tag!r}"))
+
+        commit.add_done_callback(committed)
+
+    def uploaded(self, tag: str | None) -> concurrent.futures.Future[CommitResult]:
+        """The future of ``tag``'s upload (default: the newest commit of this engine)."""
+        with self._lock:
+            if tag is None:
+                if not self._futures:
+                    raise InvalidStateError("this engine has committed nothing to upload")
+                tag = next(reversed(self._futures))
+            future = self._futures.get(tag)
+            manifest = self._manifests.get(tag)
+        if future is not None:
+            return future
+        if manifest is not None:
+            return _done(result_of(self.directory, manifest))
+        raise InvalidStateError(
+            f"checkpoint {tag!r} was not committed by this engine, and {self.url} has no "
+            "published checkpoint of that name"
+        )
+
+    def holding(self, tag: str) -> concurrent.futures.Future[Any] | None:
+        """The upload that still reads local ``tag`` (retention waits for it), or ``None``."""
+        with self._lock:
+            future = self._futures.get(tag)
+        return future if future is not None and not future.done() else None
+
+    def _upload(
+        self,
+        tag: str,
+        result: CommitResult,
+        latest: bool,
+        upload: concurrent.futures.Future[CommitResult],
+    ) -> None:
+        try:
+            if self.ranks is not None:
+                self.ranks.upload(tag, latest, self)
+            else:
+                local = self.directory / tag
+                text = (local / _format.MANIFEST).read_text(encoding="utf-8")
+                manifest = json.loads(text)
+                files = tuple(
+                    (str(local / name), name, int(entry["bytes"]))
+                    for name, entry in manifest["files"].items()
+                )
+                self.put_files(tag, files)
+                self.publish(tag, manifest, text, latest)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the upload
+            upload.set_exception(self._failed(tag, exc))
+        else:
+            upload.set_result(result)
+
+    def _failed(self, tag: str, exc: BaseException) -> BaseException:
+        if isinstance(exc, ClosedError):
+            exc = ClosedError(f"the engine closed before the upload of {tag!r} ended")
+        elif not isinstance(exc, CheckpointError):
+            return exc
+        where = self.directory / tag
+        with self._lock:
+            latest = self.latest
+        error = type(exc)(
+            f"checkpoint {tag!r} was not published in {self.url}: {exc}; it is committed "
+            f"locally in {where}, and the remote {_format.LATEST!r} still names {latest!r}"
+        )
+        logger.error("%s", error)
+        return error
+
+    def put_files(self, tag: str, files: tuple[tuple[str, str, int], ...]) -> None:
+        """Upload ``files`` (local path, name, bytes) into ``tag`` (blocking)."""
+        if files:
+            seconds = self.call(PutFiles(tag, files), f"could not upload {tag!r}")
+            nbytes = sum(size for _, _, size in files)
+            logger.debug(
+                "uploaded %d files of %s (%.3f GB) in %.3f s", len(files), tag, nbytes / 1e9,
+                seconds,
+            )  # fmt: skip
+
+    def publish(self, tag: str, manifest: dict[str, Any], text: str, latest: bool) -> None:
+        """Every file is uploaded: write the manifest, then ``latest``; retire old tags."""
+        self.call(PutText((tag, _format.MANIFEST), text), f"could not publish {tag!r}")
+        if latest:
+            self.call(PutText((_format.LATEST,), tag + "\n"), "could not move latest")
+        with self._lock:
+            self._manifests[tag] = manifest
+            if latest:
+                self.latest = tag
+        logger.info("checkpoint %s published in %s", tag, self.url)
+        self._retire(int(manifest["sequence"]))
+
+    def _retire(self, newest: int) -> None:
+        if self._keep_last is None:
+            return
+        with self._lock:
+            ordered = sorted((int(m["sequence"]), t) for t, m in self._manifests.items())
+            old = [t for s, t in ordered[: -self._keep_last] if s < newest]
+        if not old:
+            return
+        try:
+            self.call(RemoveTags(tuple(old)), "retention could not remove old checkpoints")
+        except AoffloadError:
+            logger.exception("remote retention failed; the old tags stay in %s", self.url)
+            return
+        with self._lock:
+            for tag in old:
+                self._manifests.pop(tag, None)
+
+    # -- resume ----------------------------------------------------------------------------
+
+    def manifest(self, tag: str) -> dict[str, Any]:
+        """The remote manifest of ``tag`` (read from the remote tier if not known here)."""
+        with self._lock:
+            manifest = self._manifests.get(tag)
+        if manifest is None:
+            manifest = self.call(ReadManifest(tag), f"could not read checkpoint {tag!r}")
+        return manifest
+
+    def source(self, name: str, tag: str) -> tuple[Path, bool]:
+        """The directory to load file ``name`` of ``tag`` from, and whether it was just
+        downloaded (and verified). Local first; else the file is downloaded into the
+        cache (verified against the remote manifest), once. Blocking: the load thread."""
+        local = self.directory / tag / _format.MANIFEST
+        if local.is_file() and name in _format.read_manifest(local)["files"]:
+            return self.directory, False
+        cache = self.directory / CACHE
+        manifest = self.manifest(tag)
+        entry = manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {tag!r} has no file {name!r}; it has {sorted(manifest['files'])}"
+            )
+        target = cache / tag / name
+        fresh = not target.is_file()
+        if fresh:
+            logger.info("downloading %s/%s from %s", tag, name, self.url)
+            self.call(Fetch(tag, name, dict(entry), str(target)), f"could not download {tag!r}")
+        written = cache / tag / _format.MANIFEST
+        if not written.is_file():
+            partial = cache / tag / f".{_format.MANIFEST}.{os.getpid()}"
+            _format.write_text(partial, json.dumps(manifest, indent=1), True)
+            os.replace(partial, written)
+        return cache, fresh
+
+
+def load_either(
+    tier: RemoteTier,
+    name: str,
+    tag: str | None,
+    latest: str | None,
+    map_location: MapLocation,
+    verify: bool,
+    loader: Remote,
+) -> Any:
+    """Load file ``name`` of ``tag`` (default: ``latest``, the newest of both tiers) from
+    the local tier, or from the remote tier through the cache (blocking: the load thread).
+
+    A file just downloaded was verified on its way in: it is not hashed twice.
+    """
+    name = _format.validate_name(name)
+    tag = tag if tag is not None else latest
+    if tag is None:
+        raise CheckpointError(
+            f"neither {tier.directory} nor {tier.url} holds a committed checkpoint"
+        )
+    root, fresh = tier.source(name, _format.validate_tag(tag))
+    return load_file(root, name, tag, map_location, verify and not fresh, loader)
