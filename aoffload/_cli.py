@@ -1,6 +1,7 @@
 """``python -m aoffload`` (the ``aoffload`` console script): look after checkpoint directories.
 
-The commands read the directory with :mod:`aoffload.checkpoint._inspect`; this module
+The commands read the directory with :mod:`aoffload.checkpoint._inspect` (a remote tier's
+URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint._remote_inspect`); this module
 parses arguments, prints, and maps outcomes to the exit codes below.
 """
 
@@ -72,9 +73,18 @@ def _age(seconds: float | None) -> str:
 # -- commands ------------------------------------------------------------------------------
 
 
+def _source(location: str) -> tuple[Any, Any]:
+    """What reads ``location`` and how it is named: a remote tier's URL, or a directory."""
+    if "://" in location:
+        from .checkpoint import _remote_inspect
+
+        return _remote_inspect, location
+    return _inspect, Path(location)
+
+
 async def _ls(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    infos, latest = await _inspect.list_tags(directory)
+    reader, directory = _source(args.directory)
+    infos, latest = await reader.list_tags(directory)
     if not infos:
         _say(out, f"{directory}: no committed checkpoints")
     else:
@@ -88,7 +98,7 @@ async def _ls(args: argparse.Namespace, out: TextIO) -> int:
             row = f"{len(info.files):>5}  {_size(info.bytes):>10}  {_age(info.age)}"
             _say(out, f"{info.tag + mark:<{width}}  {row}")
         _say(out, f"* latest: {latest}")
-    stale = await asyncio.to_thread(_inspect.leftovers, directory)
+    stale = await asyncio.to_thread(reader.leftovers, directory)
     if stale:
         total = sum(size for _, size in stale)
         _say(
@@ -111,11 +121,11 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 async def _verify(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    infos = await _inspect.resolve_tags(directory, args.tag, args.all)
+    reader, directory = _source(args.directory)
+    infos = await reader.resolve_tags(directory, args.tag, args.all)
     bar = _progress_bar(sum(info.bytes for info in infos), args.progress)
     try:
-        checks = await _inspect.verify_tags(directory, infos, bar.update if bar else None)
+        checks = await reader.verify_tags(directory, infos, bar.update if bar else None)
     finally:
         if bar is not None:
             bar.close()
@@ -134,11 +144,11 @@ async def _verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    [info] = await _inspect.resolve_tags(directory, args.tag, False)
+    reader, directory = _source(args.directory)
+    [info] = await reader.resolve_tags(directory, args.tag, False)
     status = EXIT_OK
     _say(out, f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}")
-    for summary in await _inspect.inspect_tag(directory, info):
+    for summary in await reader.inspect_tag(directory, info):
         size = _size(int(info.files[summary.name]["bytes"]))
         _say(out, f"{info.tag}/{summary.name} ({size} on disk)")
         if summary.error is not None:
@@ -157,6 +167,8 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _clean(args: argparse.Namespace, out: TextIO) -> int:
+    if "://" in args.directory:
+        raise CheckpointError("clean works on a local directory, not on a remote tier's URL")
     directory = Path(args.directory)
     removed = await asyncio.to_thread(_inspect.clean, directory, dry_run=args.dry_run)
     if removed is None:
@@ -196,7 +208,9 @@ def _parser() -> argparse.ArgumentParser:
             epilog=_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        sub.add_argument("directory", metavar="DIR", help="the checkpoint directory")
+        sub.add_argument(
+            "directory", metavar="DIR", help="the checkpoint directory, or a remote tier's URL"
+        )
         sub.set_defaults(run=run)
         return sub
 

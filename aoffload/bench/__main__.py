@@ -20,6 +20,7 @@ SECTIONS = (
     "overlap",
     "looplag",
     "distributed",
+    "remote",
 )
 
 
@@ -129,6 +130,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _distributed
 
         _distributed.run(report, quick=args.quick)
+    elif section == "remote":
+        from . import _remote
+
+        _remote.run(report, quick=args.quick)
     elif section == "looplag":
         from . import _looplag
 

@@ -24,7 +24,7 @@ import io
 import os
 import pickle
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -217,8 +217,13 @@ async def load_checkpoint(
     *,
     map_location: MapLocation = "cpu",
     verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
+
+    ``directory`` may be a remote tier's URL (``s3://bucket/run``, reached with
+    ``storage_options``): the file is then downloaded by a worker started for the call,
+    verified against the remote manifest, and loaded.
 
     ``tag=None`` reads the checkpoint ``latest`` names. The file's size and xxh3-64 are
     checked against the manifest (``verify=False`` skips that), then it is loaded with
@@ -229,6 +234,13 @@ async def load_checkpoint(
     :class:`CheckpointError` for an unknown tag or name. Cancelling the await abandons
     the wait; the load ends on its thread and its result is dropped.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from ._upload import load_url
+
+        return await run_in_thread(
+            load_url, directory, name, tag, storage_options, map_location, verify,
+            name="aoffload-load",
+        )  # fmt: skip
     return await run_in_thread(
         load_file, Path(directory), name, tag, map_location, verify, name="aoffload-load"
     )

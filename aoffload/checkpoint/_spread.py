@@ -221,11 +221,17 @@ class SpreadRanks(Ranks):
                 store.compare_set(keys.outcome, "", _UPLOADED)
         try:
             if self.rank == 0:
-                self._publish_remote(store, keys, tag, latest, tier)
+                try:
+                    self._publish_remote(store, keys, tag, latest, tier)
+                except BaseException:
+                    if mine is None:
+                        tier.discard(tag, tuple(own))
+                    raise
             else:
                 answer = json.loads(self._get(store, keys.result, timeout + _ACK_SECONDS))
                 store.set(keys.ack(self.rank), "1")
                 if not answer["ok"] and mine is None:
+                    tier.discard(tag, tuple(own))  # never published: leave nothing behind
                     raise CheckpointError(answer["error"])
         except dist.DistError as exc:
             raise CheckpointError(

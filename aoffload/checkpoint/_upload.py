@@ -30,6 +30,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -51,6 +52,7 @@ from ._commit import CommitResult
 from ._load import MapLocation, Remote, load_file
 from .remote import TARGET
 from .remote._calls import (
+    Discard,
     Fetch,
     PutFiles,
     PutText,
@@ -61,13 +63,14 @@ from .remote._calls import (
 )
 from .remote._store import RemoteScan, is_url, redact_url
 
-__all__ = ["CACHE", "RemoteTier", "load_either", "merge", "result_of"]
+__all__ = ["CACHE", "RemoteTier", "load_either", "load_url", "merge", "result_of"]
 
 logger = logging.getLogger(__name__)
 
 CACHE = ".remote-cache"
 """Where downloaded files are kept, laid out as a checkpoint directory of its own."""
 _KEEP_FUTURES = 64
+_LOADER_SECONDS = 120.0
 
 
 def merge(local: _format.Scan, directory: Path, remote: RemoteScan) -> _format.Scan:
@@ -90,6 +93,22 @@ def result_of(directory: Path, manifest: Mapping[str, Any]) -> CommitResult:
     files = {name: int(entry["bytes"]) for name, entry in manifest["files"].items()}
     tag = str(manifest["tag"])
     return CommitResult(tag, directory / tag, tuple(files), sum(files.values()), 0.0, 0.0, 0.0)
+
+
+_settling = threading.Lock()
+
+
+def _settle(
+    future: concurrent.futures.Future[Any], value: Any, error: BaseException | None
+) -> None:
+    """Resolve ``future`` unless it is already (a close and the upload thread may race)."""
+    with _settling:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
@@ -180,16 +199,22 @@ class RemoteTier:
                 self.url,
                 self.timeout,
             )
+        for tag, future in self._late(late):
+            _settle(future, None, self._failed(tag, ClosedError()))
         try:
-            self.uploader.stop()  # an upload in flight fails: its future fails with it
+            if late:
+                self.uploader.kill()  # it may hang on a dead endpoint: no graceful drain
+            self.uploader.stop()
             self.uploader.release()
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
-            error = ClosedError(f"the engine closed before the upload to {self.url} ended")
-            for future in late:
-                if not future.done():
-                    future.set_exception(error)
+
+    def _late(
+        self, late: set[concurrent.futures.Future[CommitResult]]
+    ) -> list[tuple[str, concurrent.futures.Future[CommitResult]]]:
+        with self._lock:
+            return [(tag, future) for tag, future in self._futures.items() if future in late]
 
     # -- uploads ---------------------------------------------------------------------------
 
@@ -277,13 +302,15 @@ class RemoteTier:
                 self.put_files(tag, files)
                 self.publish(tag, manifest, text, latest)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the upload
-            upload.set_exception(self._failed(tag, exc))
+            _settle(upload, None, self._failed(tag, exc))
         else:
-            upload.set_result(result)
+            _settle(upload, result, None)
 
     def _failed(self, tag: str, exc: BaseException) -> BaseException:
         if isinstance(exc, ClosedError):
-            exc = ClosedError(f"the engine closed before the upload of {tag!r} ended")
+            exc = CheckpointError(
+                f"the engine closed before the upload ended (upload_timeout={self.timeout} s)"
+            )
         elif not isinstance(exc, CheckpointError):
             return exc
         where = self.directory / tag
@@ -305,6 +332,14 @@ class RemoteTier:
                 "uploaded %d files of %s (%.3f GB) in %.3f s", len(files), tag, nbytes / 1e9,
                 seconds,
             )  # fmt: skip
+
+    def discard(self, tag: str, names: tuple[str, ...]) -> None:
+        """Remove this rank's uploaded files of ``tag``, which will never be published."""
+        if names:
+            try:
+                self.call(Discard(tag, names), f"could not remove the files of {tag!r}")
+            except AoffloadError as exc:  # the uploader died: a leftover nobody reads
+                logger.warning("%s", exc)
 
     def publish(self, tag: str, manifest: dict[str, Any], text: str, latest: bool) -> None:
         """Every file is uploaded: write the manifest, then ``latest``; retire old tags."""
@@ -394,3 +429,39 @@ def load_either(
         )
     root, fresh = tier.source(name, _format.validate_tag(tag))
     return load_file(root, name, tag, map_location, verify and not fresh, loader)
+
+
+def load_url(
+    url: str,
+    name: str,
+    tag: str | None,
+    storage_options: Mapping[str, Any] | None,
+    map_location: MapLocation,
+    verify: bool,
+) -> Any:
+    """:func:`~aoffload.load_checkpoint` of a URL (blocking, on its own thread).
+
+    An uploader started for the call downloads the file, verified against the remote
+    manifest, into a temporary directory that is removed once the file is loaded (its
+    tensors map the file, which outlives its name).
+    """
+    name = _format.validate_name(name)
+    with tempfile.TemporaryDirectory(prefix="aoffload-load-") as scratch:
+        tier = RemoteTier(
+            Path(scratch),
+            url,
+            storage_options,
+            keep_last=None,
+            upload_timeout=_LOADER_SECONDS,
+            close_timeout=_LOADER_SECONDS,
+        )
+        tier.spawn()
+        try:
+            scan = tier.join(_LOADER_SECONDS, _format.Scan([], 0, None))
+            tag = tag if tag is not None else scan.latest
+            if tag is None:
+                raise CheckpointError(f"{tier.url} holds no published checkpoint")
+            root, fresh = tier.source(name, _format.validate_tag(tag))
+        finally:
+            tier.close()
+        return load_file(root, name, tag, map_location, verify and not fresh)

@@ -13,6 +13,7 @@ from ..._runtime.protocol import Call
 from ._store import RETRIES, RemoteScan, redact_url
 
 __all__ = [
+    "Discard",
     "Fetch",
     "PutFiles",
     "PutText",
@@ -65,6 +66,15 @@ class RemoveTags(Call[None]):
     """Remove published ``tags``, each manifest first."""
 
     tags: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Discard(Call[None]):
+    """Remove files ``names`` of unpublished ``tag`` (an upload that failed elsewhere):
+    once each, best effort; never raises."""
+
+    tag: str
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

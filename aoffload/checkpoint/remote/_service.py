@@ -22,6 +22,7 @@ from ..._runtime.protocol import Call
 from ..._runtime.serve import Handler, Service, target
 from ..._runtime.threads import background_policy
 from ._calls import (
+    Discard,
     Fetch,
     PutFiles,
     PutText,
@@ -80,6 +81,7 @@ class UploaderService(Service):
             PutText: lambda call: self._store.put_text(call.parts, call.text),
             RemoveTags: self._remove,
             Fetch: self._fetch,
+            Discard: lambda call: self._store.discard(call.tag, call.names),
             ReadManifest: lambda call: self._store.read_manifest(call.tag),
         }
 
@@ -90,8 +92,13 @@ class UploaderService(Service):
             for local, name, nbytes in call.files
         ]
         concurrent.futures.wait(uploads)
-        for upload in uploads:
-            upload.result()  # the first failure, once every upload has ended
+        failed = [upload for upload in uploads if upload.exception() is not None]
+        if failed:  # nothing of a failed upload stays behind (it would never be published)
+            done = [
+                name for (_, name, _), u in zip(call.files, uploads, strict=True) if u not in failed
+            ]
+            self._store.discard(call.tag, done)
+            failed[0].result()
         return time.perf_counter() - started
 
     def _remove(self, call: RemoveTags) -> None:

@@ -319,6 +319,20 @@ class RemoteStore:
         data = text.encode()
         self._retried(f"writing {'/'.join(parts)}", lambda: self.fs.pipe_file(target, data))
 
+    def discard(self, tag: str, names: Iterable[str]) -> None:
+        """Remove files ``names`` of an unpublished ``tag``: once each, errors logged only
+        (what is left has no manifest: no reader ever sees it)."""
+        for name in names:
+            try:
+                self.fs.rm_file(self.path(tag, name))
+            except Exception as exc:  # noqa: BLE001 - best effort; a leftover is harmless
+                logger.warning(
+                    "could not remove %s/%s of an unpublished upload: %s",
+                    tag,
+                    name,
+                    self.redact(_describe(exc)),
+                )
+
     def remove_tag(self, tag: str) -> None:
         """Remove published ``tag``: its manifest first (it disappears whole), then its files."""
         manifest = self.path(tag, _format.MANIFEST)

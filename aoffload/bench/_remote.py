@@ -1,0 +1,190 @@
+"""Remote section: uploads to an S3 endpoint, against s3fs doing the same, and what they cost.
+
+The endpoint is moto's S3 server on loopback (:class:`aoffload._moto.S3Endpoint`), started
+for the section; it runs on this machine's cores, so it is the ceiling of every figure here
+(measured beside them: ``pipe`` of the same bytes from memory). In one run:
+
+* **upload throughput**: ``commit()`` to ``uploaded()`` of a tag (local commit included),
+  against ``s3fs.put`` of the same committed files from this process (its concurrent
+  files and multipart parts), alternating repetitions; goal >= 0.9x;
+* **the trainer's stall** (``stage()`` + the fence after a step that blocks the loop's
+  thread, then ``commit_soon()``) with a remote tier whose uploads run during the next
+  steps, against the same engine without one; goal <= 1.05x.
+
+Needs ``s3fs`` and ``moto[server]`` (``pip install aoffload[dev]``); skipped without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._common import Report, progress
+
+__all__ = ["run"]
+
+SECTION = "remote"
+MB = 1e6
+
+
+def _state(total_mib: int, files: int) -> dict[str, dict[str, torch.Tensor]]:
+    rows = max(1, total_mib * (1 << 20) // files // 4 // 1024)
+    return {f"part-{i}.pt": {"w": torch.rand(rows, 1024)} for i in range(files)}
+
+
+def _block(seconds: float) -> None:
+    time.sleep(seconds)  # the loop's thread waits for its accelerator: the loop never turns
+
+
+async def _throughput(
+    report: Report, url: str, root: Path, state: dict[str, Any], reps: int
+) -> None:
+    import fsspec
+
+    import aoffload
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = url.removeprefix("s3://").split("/")[0]
+    ours, theirs, ceiling = [], [], []
+    nbytes = 0
+    async with aoffload.CheckpointEngine(root / "tput", remote=url, keep_last=2) as engine:
+        for rep in range(reps + 1):  # the first is a warm-up
+            tag = f"t{rep}"
+            for name, part in state.items():
+                await engine.save(part, name, tag=tag)
+            started = time.perf_counter()
+            result = await engine.commit(tag)
+            await engine.uploaded(tag)
+            seconds = time.perf_counter() - started
+            nbytes = result.bytes
+            local = [str(root / "tput" / tag / name) for name in result.files]
+            remote = [f"{bucket}/s3fs/{tag}/{name}" for name in result.files]
+            started = time.perf_counter()
+            await asyncio.to_thread(fs.put, local, remote)
+            put_seconds = time.perf_counter() - started
+            blobs = {
+                f"{bucket}/pipe/{tag}/{n}": await asyncio.to_thread(Path(p).read_bytes)
+                for n, p in zip(result.files, local, strict=True)
+            }
+            started = time.perf_counter()
+            await asyncio.to_thread(fs.pipe, blobs)
+            pipe_seconds = time.perf_counter() - started
+            del blobs
+            await asyncio.to_thread(fs.rm, [f"{bucket}/s3fs/{tag}", f"{bucket}/pipe/{tag}"], True)
+            if rep:
+                ours.append(nbytes / seconds / MB)
+                theirs.append(nbytes / put_seconds / MB)
+                ceiling.append(nbytes / pipe_seconds / MB)
+            progress(
+                f"remote: {nbytes / MB:.0f} MB: aoffload {nbytes / seconds / MB:.1f} MB/s, s3fs"
+                f".put {nbytes / put_seconds / MB:.1f} MB/s, pipe {nbytes / pipe_seconds / MB:.1f}"
+            )
+    size = f"{nbytes / MB:.0f} MB in {len(state)} files"
+    a = report.add(
+        SECTION, "aoffload commit() -> uploaded()", "upload throughput", "MB/s", ours, size
+    )
+    b = report.add(
+        SECTION, "s3fs.put (same files, same process)", "upload throughput", "MB/s", theirs, size
+    )
+    report.add(
+        SECTION, "moto ceiling (s3fs.pipe from memory)", "upload throughput", "MB/s", ceiling, size
+    )
+    report.ratio(SECTION, "aoffload / s3fs.put upload throughput (goal >= 0.9)", a, b)
+
+
+async def _stall(
+    url: str | None, directory: Path, state: dict[str, Any], steps: int, step: float
+) -> list[float]:
+    import aoffload
+
+    stalls = []
+    async with aoffload.CheckpointEngine(directory, remote=url, keep_last=2) as engine:
+        for n in range(steps + 1):
+            tag = f"s{n}"
+            started = time.perf_counter()
+            staged = [engine.stage(part, name, tag=tag) for name, part in state.items()]
+            call = time.perf_counter() - started
+            _block(step)
+            fenced = time.perf_counter()
+            for one in staged:
+                await one
+            stall = call + time.perf_counter() - fenced
+            engine.commit_soon(tag)
+            if n:
+                stalls.append(stall)
+        if url is not None:
+            await engine.uploaded()
+    return stalls
+
+
+def run(report: Report, *, quick: bool) -> None:
+    """Measure the remote section (moto on loopback)."""
+    missing = [m for m in ("s3fs", "moto", "boto3") if importlib.util.find_spec(m) is None]
+    if missing:
+        report.skip(
+            SECTION, "remote tier", f"needs {', '.join(missing)} (pip install aoffload[dev])"
+        )
+        return
+    from .._moto import S3Endpoint
+
+    total_mib, files = (16, 2) if quick else (64, 4)
+    reps, steps, step = (3, 4, 0.5) if quick else (5, 8, 1.0)
+    state = _state(total_mib, files)
+    with (
+        S3Endpoint.start() as endpoint,
+        tempfile.TemporaryDirectory(prefix="aoffload-bench-") as tmp,
+    ):
+        saved = {name: os.environ.get(name) for name in endpoint.environ}
+        os.environ.update(endpoint.environ)  # the uploader processes inherit it
+        try:
+            url = f"s3://{endpoint.bucket()}/bench"
+            root = Path(tmp)
+            progress(f"remote: moto on {endpoint.url}, {total_mib} MiB per checkpoint")
+            asyncio.run(_throughput(report, url, root, state, reps))
+            without: list[float] = []
+            with_remote: list[float] = []
+            for rep in range(2):  # alternate, twice, to spread the host's noise
+                without += asyncio.run(_stall(None, root / f"local-{rep}", state, steps, step))
+                with_remote += asyncio.run(
+                    _stall(f"{url}-stall-{rep}", root / f"remote-{rep}", state, steps, step)
+                )
+            note = f"stage() + fence after a {step} s step that blocks the loop, {total_mib} MiB"
+            a = report.add(
+                SECTION,
+                "aoffload with remote=",
+                "trainer stall",
+                "ms",
+                [s * 1e3 for s in with_remote],
+                note,
+            )
+            b = report.add(
+                SECTION,
+                "aoffload without remote",
+                "trainer stall",
+                "ms",
+                [s * 1e3 for s in without],
+                note,
+            )
+            report.ratio(SECTION, "stall with / without a remote tier (goal <= 1.05)", a, b)
+            progress(
+                f"remote: stall {statistics.median(with_remote) * 1e3:.1f} ms with, "
+                f"{statistics.median(without) * 1e3:.1f} ms without"
+            )
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    report.notes.append(
+        "remote: the S3 endpoint is moto on loopback, on this machine's cores (its ceiling "
+        "is shown); a real object store's figures differ"
+    )
