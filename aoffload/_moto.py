@@ -4,7 +4,10 @@
 says how to reach it (:attr:`S3Endpoint.environ`: ``AWS_ENDPOINT_URL`` and fake
 credentials). It is what the ``aoffload_s3`` fixture of :mod:`aoffload.testing` uses, and it
 can be paused (SIGSTOP), resumed and stopped, to test what a slow or dead endpoint does.
-It needs ``moto[server]`` and ``s3fs`` (``pip install aoffload[dev]``). Loopback only.
+It needs ``moto[server]`` (``pip install aoffload[dev]``). Loopback only.
+:meth:`S3Endpoint.objects`, :meth:`~S3Endpoint.get` and :meth:`~S3Endpoint.put` read and
+write objects with plain HTTP, to check what an engine uploaded (or damage it) without
+boto in the test process.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from xml.etree import ElementTree
 
 __all__ = ["S3Endpoint"]
 
@@ -27,6 +33,11 @@ _FAKE = {
     "AWS_SECRET_ACCESS_KEY": "aoffload-test-secret",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
+
+_AUTHORIZATION = (
+    f"AWS4-HMAC-SHA256 Credential={_FAKE['AWS_ACCESS_KEY_ID']}/20240101/us-east-1/s3/"
+    "aws4_request, SignedHeaders=host, Signature=0"
+)
 
 
 def _free_port() -> int:
@@ -88,20 +99,50 @@ class S3Endpoint:
                 + b"".join(seen).decode(errors="replace")[-2000:]
             )
 
+    def _request(self, method: str, path: str, data: bytes | None = None) -> bytes:
+        # Plain HTTP: moto does not check signatures, and botocore's models stay out of the
+        # test process (loading them leaves a heap whose collection stalls an event loop).
+        request = urllib.request.Request(f"{self.url}/{path}", data=data, method=method)
+        request.add_header("Authorization", _AUTHORIZATION)  # named, never checked
+        request.add_header("x-amz-content-sha256", "UNSIGNED-PAYLOAD")
+        request.add_header("Content-Type", "application/octet-stream")  # not a form
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return bytes(response.read())
+
     def bucket(self, name: str | None = None) -> str:
         """Create a bucket (a fresh name unless given); its name."""
-        import boto3
-
         name = name or f"aoffload-{uuid.uuid4().hex[:12]}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            aws_access_key_id=_FAKE["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=_FAKE["AWS_SECRET_ACCESS_KEY"],
-            region_name=_FAKE["AWS_DEFAULT_REGION"],
-        )
-        client.create_bucket(Bucket=name)
+        self._request("PUT", name)
         return name
+
+    def objects(self, url: str) -> dict[str, bytes]:
+        """Every object under ``url`` (``s3://bucket/prefix``), by key relative to it."""
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        query = urllib.parse.urlencode({"list-type": "2", "prefix": prefix})
+        found: dict[str, bytes] = {}
+        token = ""
+        while True:
+            extra = f"&continuation-token={urllib.parse.quote(token)}" if token else ""
+            listing = ElementTree.fromstring(self._request("GET", f"{bucket}?{query}{extra}"))
+            for element in listing.iter():
+                if element.tag.endswith("}Key") and element.text:
+                    key = element.text
+                    found[key.removeprefix(prefix)] = self.get(f"s3://{bucket}/{key}")
+            token = next(
+                (e.text or "" for e in listing.iter() if e.tag.endswith("}NextContinuationToken")),
+                "",
+            )
+            if not token:
+                return found
+
+    def get(self, url: str) -> bytes:
+        """The object at ``url`` (``s3://bucket/key``)."""
+        return self._request("GET", urllib.parse.quote(url.removeprefix("s3://")))
+
+    def put(self, url: str, data: bytes) -> None:
+        """Write the object at ``url`` (``s3://bucket/key``)."""
+        self._request("PUT", urllib.parse.quote(url.removeprefix("s3://")), data)
 
     def pause(self) -> None:
         """SIGSTOP the server: connections hang until :meth:`resume`."""

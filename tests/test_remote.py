@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import fsspec.asyn
 import pytest
 import torch
 
@@ -26,8 +26,6 @@ from aoffload.checkpoint import _format
 
 from ._ranks import complete_tags
 
-fsspec.asyn.get_loop()  # fsspec's own loop, on its own thread: made outside the loop guard
-
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}}}
 """botocore's own retries off: a dead endpoint fails each attempt at once (ours remain)."""
 
@@ -36,18 +34,8 @@ def state(step: int, rows: int = 64) -> dict[str, torch.Tensor]:
     return {"w": torch.full((rows, 1024), float(step)), "b": torch.arange(4) + step}
 
 
-def remote_fs() -> Any:
-    return fsspec.filesystem("s3", skip_instance_cache=True)  # this test's endpoint
-
-
-def listing(url: str) -> dict[str, bytes]:
-    """Every object under ``url``, by path relative to it."""
-    fs, root = remote_fs(), url.removeprefix("s3://")
-    return {path.removeprefix(root + "/"): fs.cat_file(path) for path in fs.find(root)}
-
-
-def remote_tags(url: str) -> list[str]:
-    objects = listing(url)
+def remote_tags(endpoint: S3Endpoint, url: str) -> list[str]:
+    objects = endpoint.objects(url)
     return sorted(p.split("/")[0] for p in objects if p.endswith("/" + _format.MANIFEST))
 
 
@@ -60,6 +48,12 @@ def check_complete(objects: dict[str, bytes]) -> str | None:
     for name, entry in manifest["files"].items():
         assert len(objects[f"{tag}/{name}"]) == entry["bytes"], f"partial tag {tag}: {name}"
     return tag
+
+
+@pytest.fixture
+def s3(aoffload_s3_endpoint: S3Endpoint) -> S3Endpoint:
+    """The session's endpoint (the one ``aoffload_s3`` is on), to read what was uploaded."""
+    return aoffload_s3_endpoint
 
 
 @pytest.fixture
@@ -76,7 +70,7 @@ def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
 
 
 async def test_commit_is_local_then_uploaded_publishes_files_manifest_latest(
-    tmp_path: Path, aoffload_s3: str
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint
 ) -> None:
     async with aoffload.CheckpointEngine(tmp_path, remote=aoffload_s3) as engine:
         await engine.save(state(1), "model.pt", tag="step-1")
@@ -85,7 +79,7 @@ async def test_commit_is_local_then_uploaded_publishes_files_manifest_latest(
         assert (tmp_path / "step-1" / "model.pt").is_file()  # durable locally first
         assert await engine.uploaded("step-1") == result
         assert await engine.uploaded() == result  # the newest commit
-    objects = await asyncio.to_thread(listing, aoffload_s3)
+    objects = await asyncio.to_thread(s3.objects, aoffload_s3)
     local = (tmp_path / "step-1" / _format.MANIFEST).read_bytes()
     assert objects["step-1/" + _format.MANIFEST] == local  # the same manifest, no re-hash
     assert objects["latest"] == b"step-1\n"
@@ -109,12 +103,14 @@ async def test_uploaded_without_a_remote_tier_or_for_an_unknown_tag_is_invalid(
         aoffload.CheckpointEngine(tmp_path, remote="/not/a/url")
 
 
-async def test_aclose_waits_for_the_uploads_in_flight(tmp_path: Path, aoffload_s3: str) -> None:
+async def test_aclose_waits_for_the_uploads_in_flight(
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint
+) -> None:
     async with aoffload.CheckpointEngine(tmp_path, remote=aoffload_s3) as engine:
         for step in (1, 2):
             await engine.save(state(step, rows=512), "model.pt", tag=f"step-{step}")
             engine.commit_soon(f"step-{step}")
-    assert await asyncio.to_thread(remote_tags, aoffload_s3) == ["step-1", "step-2"]
+    assert await asyncio.to_thread(remote_tags, s3, aoffload_s3) == ["step-1", "step-2"]
 
 
 @pytest.mark.blocks_loop
@@ -136,7 +132,7 @@ async def test_the_upload_goes_on_while_the_loop_is_blocked(
 
 
 async def test_a_fresh_machine_resumes_from_the_remote_tier(
-    tmp_path: Path, aoffload_s3: str
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint
 ) -> None:
     async with aoffload.CheckpointEngine(tmp_path / "a", remote=aoffload_s3) as engine:
         for step in (1, 2):
@@ -162,7 +158,7 @@ async def test_a_fresh_machine_resumes_from_the_remote_tier(
         await engine.commit("step-3")
         await engine.uploaded("step-3")
         assert engine.tags() == ["step-1", "step-2", "step-3"]
-    restarted = await asyncio.to_thread(remote_tags, aoffload_s3)
+    restarted = await asyncio.to_thread(remote_tags, s3, aoffload_s3)
     assert restarted == ["step-1", "step-2", "step-3"]
     found = await aoffload.load_checkpoint(aoffload_s3, "model.pt")
     assert torch.equal(found["w"], state(3)["w"])
@@ -171,16 +167,16 @@ async def test_a_fresh_machine_resumes_from_the_remote_tier(
 
 
 async def test_a_corrupt_remote_file_is_never_cached_nor_loaded(
-    tmp_path: Path, aoffload_s3: str
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint
 ) -> None:
     async with aoffload.CheckpointEngine(tmp_path / "a", remote=aoffload_s3) as engine:
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")
-    path = aoffload_s3.removeprefix("s3://") + "/step-1/model.pt"
-    data = bytearray(await asyncio.to_thread(remote_fs().cat_file, path))
+    path = aoffload_s3 + "/step-1/model.pt"
+    data = bytearray(await asyncio.to_thread(s3.get, path))
     data[len(data) // 2] ^= 0xFF  # one flipped bit, same size
-    await asyncio.to_thread(remote_fs().pipe_file, path, bytes(data))
+    await asyncio.to_thread(s3.put, path, bytes(data))
     async with aoffload.CheckpointEngine(tmp_path / "b", remote=aoffload_s3) as engine:
         with pytest.raises(aoffload.CorruptCheckpointError, match="does not match the manifest"):
             await engine.load("model.pt")
@@ -190,11 +186,11 @@ async def test_a_corrupt_remote_file_is_never_cached_nor_loaded(
 # -- a paused and a dead endpoint ----------------------------------------------------------
 
 
-def _watch(url: str, stop: threading.Event, seen: list[str | None]) -> None:
+def _watch(endpoint: S3Endpoint, url: str, stop: threading.Event, seen: list[str | None]) -> None:
     """Read the remote tier over and over; fail (record the error) on any partial tag."""
     while not stop.is_set():
         try:
-            seen.append(check_complete(listing(url)))
+            seen.append(check_complete(endpoint.objects(url)))
         except AssertionError as exc:
             seen.append(f"PARTIAL: {exc}")
 
@@ -204,7 +200,7 @@ async def test_a_paused_endpoint_delays_the_upload_and_latest_never_names_a_part
 ) -> None:
     url = endpoint.remote  # type: ignore[attr-defined]
     stop, seen = threading.Event(), list[str | None]()
-    watcher = threading.Thread(target=_watch, args=(url, stop, seen))
+    watcher = threading.Thread(target=_watch, args=(endpoint, url, stop, seen))
     watcher.start()
     try:
         async with aoffload.CheckpointEngine(tmp_path, remote=url) as engine:
@@ -225,7 +221,7 @@ async def test_a_paused_endpoint_delays_the_upload_and_latest_never_names_a_part
         await asyncio.to_thread(watcher.join)
     assert not [s for s in seen if s and s.startswith("PARTIAL")], seen
     assert "step-1" in seen  # the watcher saw the old tag while the new one was uploaded
-    assert check_complete(await asyncio.to_thread(listing, url)) == "step-2"
+    assert check_complete(await asyncio.to_thread(endpoint.objects, url)) == "step-2"
 
 
 async def test_an_endpoint_that_stays_down_fails_the_upload_clearly_and_keeps_the_local_tier(
@@ -309,7 +305,7 @@ async def test_retention_applies_to_both_tiers_after_the_upload(
         await engine.uploaded("step-3")
         await engine.uploaded("step-2")
     assert complete_tags(tmp_path) == ["step-3"]
-    objects = await asyncio.to_thread(listing, url)
+    objects = await asyncio.to_thread(endpoint.objects, url)
     assert sorted({p.split("/")[0] for p in objects}) == ["latest", "step-3"]
     assert check_complete(objects) == "step-3"
 
@@ -339,10 +335,9 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         assert key not in text, text
 
 
-def test_the_command_line_reads_a_remote_tier(tmp_path: Path, aoffload_s3: str) -> None:
-    from aoffload._cli import EXIT_DAMAGED, EXIT_OK
-    from tests.test_cli import run
-
+def test_the_command_line_reads_a_remote_tier(
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint
+) -> None:
     async def commit() -> None:
         async with aoffload.CheckpointEngine(tmp_path, remote=aoffload_s3) as engine:
             for step in (1, 2):
@@ -350,22 +345,29 @@ def test_the_command_line_reads_a_remote_tier(tmp_path: Path, aoffload_s3: str) 
                 await engine.commit(f"step-{step}")
             await engine.uploaded()
 
+    def run(*argv: str) -> tuple[int, str]:  # as a user runs it: its own process
+        command = [sys.executable, "-m", "aoffload", *argv]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        return done.returncode, done.stdout + done.stderr
+
     asyncio.run(commit())
     status, out = run("ls", aoffload_s3)
-    assert status == EXIT_OK, out
+    assert status == 0, out
     assert "step-1" in out
     assert "step-2 *" in out
     assert "* latest: step-2" in out
     status, out = run("verify", aoffload_s3, "--all")
-    assert status == EXIT_OK, out
+    assert status == 0, out
     assert "step-2: 1 files" in out
     assert "ok" in out
     status, out = run("inspect", aoffload_s3)
-    assert status == EXIT_OK, out
+    assert status == 0, out
     assert "tensors: 2" in out
     assert "w (Tensor" in out
-    path = aoffload_s3.removeprefix("s3://") + "/step-1/model.pt"
-    remote_fs().pipe_file(path, b"torn")
+    s3.put(aoffload_s3 + "/step-1/model.pt", b"torn")
     status, out = run("verify", aoffload_s3, "--all")
-    assert status == EXIT_DAMAGED
+    assert status == 1, out
     assert "FAILED step-1/model.pt" in out
+    status, out = run("clean", aoffload_s3)
+    assert status == 2, out
+    assert "local directory" in out

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import fsspec
 import pytest
 
+from aoffload._moto import S3Endpoint
 from aoffload.checkpoint import _format
 
 from ._ranks import run_ranks
 
 
 def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
-    tmp_path: Path, aoffload_s3: str
+    tmp_path: Path, aoffload_s3: str, aoffload_s3_endpoint: S3Endpoint
 ) -> None:
     outcomes = run_ranks(
         2, "tests._remote_scenarios:spread", tmp_path, timeout=240, url=aoffload_s3, victim=1
@@ -36,8 +36,8 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
     assert healthy[0] == "CheckpointError"
     assert "the upload failed on rank 1" in healthy[1]
     assert victim[0] in {"WorkerDiedError", "CheckpointError"}
-    fs, root = fsspec.filesystem("s3", skip_instance_cache=True), aoffload_s3[len("s3://") :]
-    objects = sorted(path.removeprefix(root + "/") for path in fs.find(root))
+    found = aoffload_s3_endpoint.objects(aoffload_s3)
+    objects = sorted(found)
     assert objects == [
         "latest",
         f"step-2/{_format.MANIFEST}",
@@ -47,6 +47,6 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
         "step-3/shard-0.pt",
         "step-3/shard-1.pt",
     ] or pytest.fail(f"nothing of step-4 may be published: {objects}")
-    manifest = json.loads(fs.cat_file(f"{root}/step-3/{_format.MANIFEST}"))
+    manifest = json.loads(found[f"step-3/{_format.MANIFEST}"])
     assert sorted(manifest["files"]) == ["shard-0.pt", "shard-1.pt"]  # one manifest, all ranks
-    assert fs.cat_file(f"{root}/latest") == b"step-3\n"
+    assert found["latest"] == b"step-3\n"

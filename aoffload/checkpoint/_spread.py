@@ -80,6 +80,11 @@ class SpreadRanks(Ranks):
         """Per committed tag, the files this rank uploads (its own, and what it adopted)."""
         self._store: Any = None  # the upload thread's own connection
 
+    def start(self) -> _format.Scan:
+        """Join the other ranks (a collective); this rank's directory may be its own."""
+        self._directory.mkdir(parents=True, exist_ok=True)
+        return super().start()
+
     # -- commit -------------------------------------------------------------------------
 
     def commit(
