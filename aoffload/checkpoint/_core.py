@@ -45,9 +45,10 @@ from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline
 from ._plan import modified
+from ._resume import load_either
 from ._spread import SpreadRanks
 from ._tags import FileJob, OpenTag, Tags
-from ._upload import RemoteTier, load_either
+from ._upload import RemoteTier
 from .writer import TARGET
 from .writer._calls import WriterConfig
 
@@ -308,9 +309,9 @@ class EngineCore:
             raise ClosedError("the checkpoint engine is not running")
         loader = in_writer(self.writer)
         if self.remote is not None:
-            latest = self.catalog.latest
+            latest, known = self.catalog.latest, self.catalog.tags
             return self._loads.submit(
-                load_either, self.remote, name, tag, latest, map_location, verify, loader
+                load_either, self.remote, name, tag, latest, known, map_location, verify, loader
             )
         return self._loads.submit(
             load_file, self.directory, name, tag, map_location, verify, loader

@@ -235,7 +235,7 @@ async def load_checkpoint(
     the wait; the load ends on its thread and its result is dropped.
     """
     if isinstance(directory, str) and "://" in directory:
-        from ._upload import load_url
+        from ._resume import load_url
 
         return await run_in_thread(
             load_url, directory, name, tag, storage_options, map_location, verify,

@@ -14,7 +14,7 @@ upload thread        one tag at a time: asks the uploader for the files, then th
 uploader process     the transfers themselves (:mod:`.remote`): concurrent files,
                      multipart parts, retries with backoff
 load thread          a file found only in the remote tier: downloaded, verified
-                     against the manifest, cached in ``directory/.remote-cache/``
+                     against the manifest, cached (:mod:`._resume`)
 ===================  ==============================================================
 
 Nothing here runs on the event loop or on the trainer's threads; the loop only learns that
@@ -29,8 +29,6 @@ import collections
 import concurrent.futures
 import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -49,11 +47,10 @@ from .._runtime.protocol import Call
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved, running_future
 from . import _format
 from ._commit import CommitResult
-from ._load import MapLocation, Remote, load_file
+from ._resume import merge, result_of
 from .remote import TARGET
 from .remote._calls import (
     Discard,
-    Fetch,
     PutFiles,
     PutText,
     ReadManifest,
@@ -61,38 +58,13 @@ from .remote._calls import (
     ScanRemote,
     UploaderConfig,
 )
-from .remote._store import RemoteScan, is_url, redact_url
+from .remote._store import is_url, redact_url
 
-__all__ = ["CACHE", "RemoteTier", "load_either", "load_url", "merge", "result_of"]
+__all__ = ["RemoteTier"]
 
 logger = logging.getLogger(__name__)
 
-CACHE = ".remote-cache"
-"""Where downloaded files are kept, laid out as a checkpoint directory of its own."""
 _KEEP_FUTURES = 64
-_LOADER_SECONDS = 120.0
-
-
-def merge(local: _format.Scan, directory: Path, remote: RemoteScan) -> _format.Scan:
-    """The tags of both tiers, oldest first by sequence; ``latest`` the newer of the two."""
-    sequences = remote.sequences()
-    for tag in local.tags:
-        try:
-            manifest = _format.read_manifest(directory / tag / _format.MANIFEST)
-            sequences[tag] = int(manifest["sequence"])
-        except (OSError, CheckpointError, KeyError, ValueError):
-            sequences.setdefault(tag, 0)
-    tags = [tag for _, tag in sorted((s, t) for t, s in sequences.items())]
-    candidates = [t for t in (local.latest, remote.latest) if t is not None and t in sequences]
-    latest = max(candidates, key=lambda t: sequences[t], default=local.latest)
-    return _format.Scan(tags, max([local.sequence, *sequences.values()]), latest)
-
-
-def result_of(directory: Path, manifest: Mapping[str, Any]) -> CommitResult:
-    """A :class:`CommitResult` for a tag this engine did not commit (from its manifest)."""
-    files = {name: int(entry["bytes"]) for name, entry in manifest["files"].items()}
-    tag = str(manifest["tag"])
-    return CommitResult(tag, directory / tag, tuple(files), sum(files.values()), 0.0, 0.0, 0.0)
 
 
 _settling = threading.Lock()
@@ -370,8 +342,6 @@ class RemoteTier:
             for tag in old:
                 self._manifests.pop(tag, None)
 
-    # -- resume ----------------------------------------------------------------------------
-
     def manifest(self, tag: str) -> dict[str, Any]:
         """The remote manifest of ``tag`` (read from the remote tier if not known here)."""
         with self._lock:
@@ -379,89 +349,3 @@ class RemoteTier:
         if manifest is None:
             manifest = self.call(ReadManifest(tag), f"could not read checkpoint {tag!r}")
         return manifest
-
-    def source(self, name: str, tag: str) -> tuple[Path, bool]:
-        """The directory to load file ``name`` of ``tag`` from, and whether it was just
-        downloaded (and verified). Local first; else the file is downloaded into the
-        cache (verified against the remote manifest), once. Blocking: the load thread."""
-        local = self.directory / tag / _format.MANIFEST
-        if local.is_file() and name in _format.read_manifest(local)["files"]:
-            return self.directory, False
-        cache = self.directory / CACHE
-        manifest = self.manifest(tag)
-        entry = manifest["files"].get(name)
-        if entry is None:
-            raise CheckpointError(
-                f"checkpoint {tag!r} has no file {name!r}; it has {sorted(manifest['files'])}"
-            )
-        target = cache / tag / name
-        fresh = not target.is_file()
-        if fresh:
-            logger.info("downloading %s/%s from %s", tag, name, self.url)
-            self.call(Fetch(tag, name, dict(entry), str(target)), f"could not download {tag!r}")
-        written = cache / tag / _format.MANIFEST
-        if not written.is_file():
-            partial = cache / tag / f".{_format.MANIFEST}.{os.getpid()}"
-            _format.write_text(partial, json.dumps(manifest, indent=1), True)
-            os.replace(partial, written)
-        return cache, fresh
-
-
-def load_either(
-    tier: RemoteTier,
-    name: str,
-    tag: str | None,
-    latest: str | None,
-    map_location: MapLocation,
-    verify: bool,
-    loader: Remote,
-) -> Any:
-    """Load file ``name`` of ``tag`` (default: ``latest``, the newest of both tiers) from
-    the local tier, or from the remote tier through the cache (blocking: the load thread).
-
-    A file just downloaded was verified on its way in: it is not hashed twice.
-    """
-    name = _format.validate_name(name)
-    tag = tag if tag is not None else latest
-    if tag is None:
-        raise CheckpointError(
-            f"neither {tier.directory} nor {tier.url} holds a committed checkpoint"
-        )
-    root, fresh = tier.source(name, _format.validate_tag(tag))
-    return load_file(root, name, tag, map_location, verify and not fresh, loader)
-
-
-def load_url(
-    url: str,
-    name: str,
-    tag: str | None,
-    storage_options: Mapping[str, Any] | None,
-    map_location: MapLocation,
-    verify: bool,
-) -> Any:
-    """:func:`~aoffload.load_checkpoint` of a URL (blocking, on its own thread).
-
-    An uploader started for the call downloads the file, verified against the remote
-    manifest, into a temporary directory that is removed once the file is loaded (its
-    tensors map the file, which outlives its name).
-    """
-    name = _format.validate_name(name)
-    with tempfile.TemporaryDirectory(prefix="aoffload-load-") as scratch:
-        tier = RemoteTier(
-            Path(scratch),
-            url,
-            storage_options,
-            keep_last=None,
-            upload_timeout=_LOADER_SECONDS,
-            close_timeout=_LOADER_SECONDS,
-        )
-        tier.spawn()
-        try:
-            scan = tier.join(_LOADER_SECONDS, _format.Scan([], 0, None))
-            tag = tag if tag is not None else scan.latest
-            if tag is None:
-                raise CheckpointError(f"{tier.url} holds no published checkpoint")
-            root, fresh = tier.source(name, _format.validate_tag(tag))
-        finally:
-            tier.close()
-        return load_file(root, name, tag, map_location, verify and not fresh)

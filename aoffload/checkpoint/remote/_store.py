@@ -61,7 +61,7 @@ _PERMANENT = (
     NotADirectoryError,
     ValueError,
     TypeError,
-    CorruptCheckpointError,
+    CheckpointError,  # and CorruptCheckpointError: what this module decided, not the network
 )
 _SECRET_KEY = re.compile(r"key|secret|token|pass|credential|session|sas|sig|auth", re.I)
 _SECRET_ENV = (
@@ -202,6 +202,8 @@ class RemoteStore:
         except Exception as exc:  # noqa: BLE001 - reported redacted, never chained
             raise CheckpointError(self.redact(f"{self.url}: {_describe(exc)}")) from None
         self.root = root.rstrip("/")
+        if hasattr(self.fs, "auto_mkdir"):  # a filesystem with directories (file://)
+            self.fs.auto_mkdir = True
 
     def path(self, *parts: str) -> str:
         """The fsspec path of ``parts`` under the root."""
