@@ -268,7 +268,7 @@ class EngineCore:
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
             if self.remote is not None:
-                self.remote.follow(open_tag.tag, future, latest, self.tags.own)
+                self.remote.follow(open_tag, future, latest, self.tags.own)
             self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
         return future
 

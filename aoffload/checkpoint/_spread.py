@@ -199,7 +199,7 @@ class SpreadRanks(Ranks):
 
     # -- upload (the upload thread) -------------------------------------------------------
 
-    def upload(self, tag: str, latest: bool, tier: Any) -> None:
+    def upload(self, tag: str, latest: bool, tier: Any, early: Any) -> None:
         """Upload this rank's files of ``tag``; rank 0 publishes once every rank has.
 
         Raises :class:`CheckpointError` on every rank when any rank's upload failed.
@@ -214,7 +214,7 @@ class SpreadRanks(Ranks):
         files = tuple((str(local / name), name, entry.bytes) for name, entry in own.items())
         mine: BaseException | None = None
         try:
-            tier.put_files(tag, files)
+            tier.put_files(tag, files, early)
         except BaseException as exc:  # noqa: BLE001 - every rank learns it, then it is raised
             mine = exc
             failure = {"rank": self.rank, "error": first_line(exc)}

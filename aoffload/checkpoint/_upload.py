@@ -47,15 +47,17 @@ from .._runtime.protocol import Call
 from .._runtime.threads import DaemonThreadExecutor, mark_retrieved, running_future
 from . import _format
 from ._commit import CommitResult
+from ._early import EarlyFiles
 from ._resume import merge, result_of
+from ._tags import OpenTag
 from .remote import TARGET
 from .remote._calls import (
-    Discard,
-    PutFiles,
+    AwaitFiles,
     PutText,
     ReadManifest,
     RemoveTags,
     ScanRemote,
+    StartFiles,
     UploaderConfig,
 )
 from .remote._store import is_url, redact_url
@@ -130,6 +132,7 @@ class RemoteTier:
         self.latest: str | None = None
         """The tag the remote ``latest`` names, as of the scan and this engine's uploads."""
         self._thread: DaemonThreadExecutor | None = None
+        self._newest = 0  # the sequence of the newest tag this engine published
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -192,16 +195,19 @@ class RemoteTier:
 
     def follow(
         self,
-        tag: str,
+        open_tag: OpenTag,
         commit: concurrent.futures.Future[CommitResult],
         latest: bool,
         own: Callable[[concurrent.futures.Future[Any]], None],
     ) -> None:
-        """Upload ``tag`` once ``commit`` succeeds; ``own`` the upload's future then.
+        """Upload ``open_tag``: each file once it is durable (:mod:`._early`), publish once
+        ``commit`` succeeds; ``own`` the upload's future then.
 
         A failed commit fails the upload's future with the commit's error (the commit's
-        own future reports it: it is not owned twice).
+        own future reports it: it is not owned twice), and what was sent is removed.
         """
+        tag = open_tag.tag
+        early = EarlyFiles(self.directory, open_tag, self.uploader)
         upload: concurrent.futures.Future[CommitResult] = running_future()
         upload.add_done_callback(mark_retrieved)
         with self._lock:
@@ -217,16 +223,23 @@ class RemoteTier:
             error = future.exception()
             if error is not None:
                 upload.set_exception(error)
-                return
-            own(upload)
+            else:
+                own(upload)
             thread = self._thread
             try:
                 if thread is None:
                     raise RuntimeError("not started")
-                thread.submit(self._upload, tag, future.result(), latest, upload)
+                if error is not None:
+                    thread.submit(early.abandon)
+                else:
+                    thread.submit(self._upload, tag, future.result(), latest, upload, early)
             except RuntimeError:
-                upload.set_exception(ClosedError(f"the engine closed before uploading {tag!r}"))
+                early.remove()
+                if error is None:
+                    closed = ClosedError(f"the engine closed before uploading {tag!r}")
+                    upload.set_exception(closed)
 
+        early.watch(list(open_tag.files.values()))
         commit.add_done_callback(committed)
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[CommitResult]:
@@ -259,10 +272,11 @@ class RemoteTier:
         result: CommitResult,
         latest: bool,
         upload: concurrent.futures.Future[CommitResult],
+        early: EarlyFiles,
     ) -> None:
         try:
             if self.ranks is not None:
-                self.ranks.upload(tag, latest, self)
+                self.ranks.upload(tag, latest, self, early)
             else:
                 local = self.directory / tag
                 text = (local / _format.MANIFEST).read_text(encoding="utf-8")
@@ -271,12 +285,13 @@ class RemoteTier:
                     (str(local / name), name, int(entry["bytes"]))
                     for name, entry in manifest["files"].items()
                 )
-                self.put_files(tag, files)
+                self.put_files(tag, files, early)
                 self.publish(tag, manifest, text, latest)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the upload
             _settle(upload, None, self._failed(tag, exc))
         else:
             _settle(upload, result, None)
+            self.retire()  # after: retention is not part of the publication
 
     def _failed(self, tag: str, exc: BaseException) -> BaseException:
         if isinstance(exc, ClosedError):
@@ -295,23 +310,16 @@ class RemoteTier:
         logger.error("%s", error)
         return error
 
-    def put_files(self, tag: str, files: tuple[tuple[str, str, int], ...]) -> None:
-        """Upload ``files`` (local path, name, bytes) into ``tag`` (blocking)."""
-        if files:
-            seconds = self.call(PutFiles(tag, files), f"could not upload {tag!r}")
-            nbytes = sum(size for _, _, size in files)
-            logger.debug(
-                "uploaded %d files of %s (%.3f GB) in %.3f s", len(files), tag, nbytes / 1e9,
-                seconds,
-            )  # fmt: skip
-
-    def discard(self, tag: str, names: tuple[str, ...]) -> None:
-        """Remove this rank's uploaded files of ``tag``, which will never be published."""
-        if names:
-            try:
-                self.call(Discard(tag, names), f"could not remove the files of {tag!r}")
-            except AoffloadError as exc:  # the uploader died: a leftover nobody reads
-                logger.warning("%s", exc)
+    def put_files(
+        self, tag: str, files: tuple[tuple[str, str, int], ...], early: EarlyFiles | None
+    ) -> None:
+        """Upload ``files`` (local path, name, bytes) into ``tag``: those ``early`` has not
+        started yet, then wait for all of them (blocking)."""
+        if early is not None:
+            early.upload(files, self.call)
+        elif files:
+            self.call(StartFiles(tag, files), f"could not upload {tag!r}")
+            self.call(AwaitFiles(tag), f"could not upload {tag!r}")
 
     def publish(self, tag: str, manifest: dict[str, Any], text: str, latest: bool) -> None:
         """Every file is uploaded: write the manifest, then ``latest``; retire old tags."""
@@ -323,14 +331,16 @@ class RemoteTier:
             if latest:
                 self.latest = tag
         logger.info("checkpoint %s published in %s", tag, self.url)
-        self._retire(int(manifest["sequence"]))
+        self._newest = max(self._newest, int(manifest["sequence"]))
 
-    def _retire(self, newest: int) -> None:
+    def retire(self) -> None:
+        """Remote retention: remove the oldest tags beyond ``keep_last``, all older than the
+        newest tag this engine published (rank 0's upload thread, after a publication)."""
         if self._keep_last is None:
             return
         with self._lock:
             ordered = sorted((int(m["sequence"]), t) for t, m in self._manifests.items())
-            old = [t for s, t in ordered[: -self._keep_last] if s < newest]
+            old = [t for s, t in ordered[: -self._keep_last] if s < self._newest]
         if not old:
             return
         try:

@@ -15,7 +15,8 @@ from ._store import RETRIES, RemoteScan, redact_url
 __all__ = [
     "Discard",
     "Fetch",
-    "PutFiles",
+    "AwaitFiles",
+    "StartFiles",
     "PutText",
     "ReadManifest",
     "RemoveTags",
@@ -45,12 +46,20 @@ class ScanRemote(Call[RemoteScan]):
 
 
 @dataclass(frozen=True, slots=True)
-class PutFiles(Call[float]):
-    """Upload ``files`` (local path, name in the tag, bytes per the manifest) into ``tag``,
-    several at once; the answer is the seconds it took."""
+class StartFiles(Call[None]):
+    """Start uploading ``files`` (local path, name in the tag, bytes per the manifest) into
+    ``tag``, several at once; answered at once (:class:`AwaitFiles` waits for them)."""
 
     tag: str
     files: tuple[tuple[str, str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitFiles(Call[None]):
+    """Wait until every upload started for ``tag`` has ended; raise the first failure
+    (after removing what the others sent: nothing of a failed upload stays)."""
+
+    tag: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The uploader: a worker service that moves checkpoints between the local and remote tiers.
 
 It serves the calls of :mod:`._calls` one at a time, in order, on the
-:class:`~._store.RemoteStore` it builds from its configuration. A :class:`~._calls.PutFiles`
-uploads its files on a pool of threads (``concurrency`` at once), each through fsspec's
+:class:`~._store.RemoteStore` it builds from its configuration. A :class:`~._calls.StartFiles`
+starts its files' uploads on a pool of threads (``concurrency`` at once) and is answered at
+once; :class:`~._calls.AwaitFiles` waits for them. Each goes through fsspec's
 ``put_file``, which sends a large file as a multipart upload with concurrent parts where
 the backend has them (s3fs: from 2 x 50 MiB, ``max_concurrency`` parts in flight); a
 reader of the remote tier never sees a file half-written. The process runs as background
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,13 +22,14 @@ from ..._runtime.protocol import Call
 from ..._runtime.serve import Handler, Service, target
 from ..._runtime.threads import background_policy
 from ._calls import (
+    AwaitFiles,
     Discard,
     Fetch,
-    PutFiles,
     PutText,
     ReadManifest,
     RemoveTags,
     ScanRemote,
+    StartFiles,
     UploaderConfig,
 )
 from ._store import Redactor, RemoteStore
@@ -72,12 +73,14 @@ class UploaderService(Service):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, config.concurrency), thread_name_prefix="aoffload-upload"
         )
+        self._uploads: dict[str, list[tuple[str, concurrent.futures.Future[None]]]] = {}
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """Scan, upload files, write a small object, remove tags, download, read a manifest."""
         return {
             ScanRemote: lambda _: self._store.scan(),
-            PutFiles: self._put_files,
+            StartFiles: self._start_files,
+            AwaitFiles: self._await_files,
             PutText: lambda call: self._store.put_text(call.parts, call.text),
             RemoveTags: self._remove,
             Fetch: self._fetch,
@@ -85,21 +88,19 @@ class UploaderService(Service):
             ReadManifest: lambda call: self._store.read_manifest(call.tag),
         }
 
-    def _put_files(self, call: PutFiles) -> float:
-        started = time.perf_counter()
-        uploads = [
-            self._pool.submit(self._store.put_file, local, call.tag, name, nbytes)
-            for local, name, nbytes in call.files
-        ]
-        concurrent.futures.wait(uploads)
-        failed = [upload for upload in uploads if upload.exception() is not None]
+    def _start_files(self, call: StartFiles) -> None:
+        started = self._uploads.setdefault(call.tag, [])
+        for local, name, nbytes in call.files:
+            upload = self._pool.submit(self._store.put_file, local, call.tag, name, nbytes)
+            started.append((name, upload))
+
+    def _await_files(self, call: AwaitFiles) -> None:
+        uploads = self._uploads.pop(call.tag, [])
+        concurrent.futures.wait([upload for _, upload in uploads])
+        failed = [upload for _, upload in uploads if upload.exception() is not None]
         if failed:  # nothing of a failed upload stays behind (it would never be published)
-            done = [
-                name for (_, name, _), u in zip(call.files, uploads, strict=True) if u not in failed
-            ]
-            self._store.discard(call.tag, done)
+            self._store.discard(call.tag, [n for n, u in uploads if u.exception() is None])
             failed[0].result()
-        return time.perf_counter() - started
 
     def _remove(self, call: RemoveTags) -> None:
         for tag in call.tags:
