@@ -267,8 +267,8 @@ class EngineCore:
             self.tags.own(future)
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
-            if self.remote is not None:
-                self.remote.follow(open_tag, future, latest, self.tags.own)
+            if self.remote is not None:  # the files' uploads start from the commit thread
+                self._commits.submit(self.remote.follow(open_tag, future, latest, self.tags.own))
             self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
         return future
 

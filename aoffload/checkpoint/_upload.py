@@ -199,9 +199,10 @@ class RemoteTier:
         commit: concurrent.futures.Future[CommitResult],
         latest: bool,
         own: Callable[[concurrent.futures.Future[Any]], None],
-    ) -> None:
+    ) -> Callable[[], None]:
         """Upload ``open_tag``: each file once it is durable (:mod:`._early`), publish once
-        ``commit`` succeeds; ``own`` the upload's future then.
+        ``commit`` succeeds; ``own`` the upload's future then. Returns what starts the
+        early uploads, for the commit thread to run (it makes links: no I/O on the loop).
 
         A failed commit fails the upload's future with the commit's error (the commit's
         own future reports it: it is not owned twice), and what was sent is removed.
@@ -239,8 +240,8 @@ class RemoteTier:
                     closed = ClosedError(f"the engine closed before uploading {tag!r}")
                     upload.set_exception(closed)
 
-        early.watch(list(open_tag.files.values()))
         commit.add_done_callback(committed)
+        return lambda: early.watch(list(open_tag.files.values()))
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[CommitResult]:
         """The future of ``tag``'s upload (default: the newest commit of this engine)."""
