@@ -130,7 +130,7 @@ class EngineCore:
                 self.directory, writer=writer, durable=durable, timeout=commit_timeout
             )
         if self.remote is not None:
-            self.remote.ranks = self._ranks
+            self.remote.ranks = self._ranks if isinstance(self._ranks, SpreadRanks) else None
             self.catalog.holding = self.remote.holding  # retention waits for an upload
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None

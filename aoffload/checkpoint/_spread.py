@@ -30,7 +30,7 @@ import datetime
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -41,6 +41,10 @@ from ._distributed import Ranks, Resolve, merge_reports
 from ._ranks import Keys, first_line
 from ._tags import OpenTag
 from .writer._calls import FileRecord
+
+if TYPE_CHECKING:
+    from ._early import EarlyFiles
+    from ._upload import RemoteTier
 
 __all__ = ["SpreadRanks"]
 
@@ -199,7 +203,7 @@ class SpreadRanks(Ranks):
 
     # -- upload (the upload thread) -------------------------------------------------------
 
-    def upload(self, tag: str, latest: bool, tier: Any, early: Any) -> None:
+    def upload(self, tag: str, latest: bool, tier: RemoteTier, early: EarlyFiles) -> None:
         """Upload this rank's files of ``tag``; rank 0 publishes once every rank has.
 
         Raises :class:`CheckpointError` on every rank when any rank's upload failed.
@@ -250,7 +254,9 @@ class SpreadRanks(Ranks):
         store.set_timeout(datetime.timedelta(seconds=seconds))
         return bytes(store.get(key)).decode()
 
-    def _publish_remote(self, store: Any, keys: _UpKeys, tag: str, latest: bool, tier: Any) -> None:
+    def _publish_remote(
+        self, store: Any, keys: _UpKeys, tag: str, latest: bool, tier: RemoteTier
+    ) -> None:
         """Rank 0: wait for every rank's upload; publish one manifest, then ``latest``."""
         nothing = f"nothing was published in {tier.url}"
         try:

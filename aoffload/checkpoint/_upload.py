@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     AoffloadError,
@@ -53,6 +53,7 @@ from ._tags import OpenTag
 from .remote import TARGET
 from .remote._calls import (
     AwaitFiles,
+    Discard,
     PutText,
     ReadManifest,
     RemoveTags,
@@ -61,6 +62,9 @@ from .remote._calls import (
     UploaderConfig,
 )
 from .remote._store import is_url, redact_url
+
+if TYPE_CHECKING:
+    from ._spread import SpreadRanks
 
 __all__ = ["RemoteTier"]
 
@@ -122,7 +126,7 @@ class RemoteTier:
         self.uploader = WorkerCore(
             TARGET, config, name="checkpoint-uploader", close_timeout=close_timeout
         )
-        self.ranks: Any = None
+        self.ranks: SpreadRanks | None = None
         """The distributed protocol (:class:`._spread.SpreadRanks`), set by the engine."""
         self._lock = threading.Lock()
         self._futures: collections.OrderedDict[str, concurrent.futures.Future[CommitResult]] = (
@@ -321,6 +325,14 @@ class RemoteTier:
         elif files:
             self.call(StartFiles(tag, files), f"could not upload {tag!r}")
             self.call(AwaitFiles(tag), f"could not upload {tag!r}")
+
+    def discard(self, tag: str, names: tuple[str, ...]) -> None:
+        """Remove this rank's uploaded files of ``tag``, which will never be published."""
+        if names:
+            try:
+                self.call(Discard(tag, names), f"could not remove the files of {tag!r}")
+            except AoffloadError as exc:  # the uploader died: a leftover nobody reads
+                logger.warning("%s", exc)
 
     def publish(self, tag: str, manifest: dict[str, Any], text: str, latest: bool) -> None:
         """Every file is uploaded: write the manifest, then ``latest``; retire old tags."""
