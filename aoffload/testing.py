@@ -9,6 +9,11 @@ load it with ``-p aoffload``. It provides:
   process made in ``/dev/shm``, is still there once the engine is closed.
 * ``aoffload_optimizer``: a started :class:`~aoffload.CPUAdam` with one default param
   group (``lr=1e-3``) on the ``torch`` backend, closed after, with the same check.
+* ``aoffload_shared_engine``: one started engine for a whole module (its tests run on the
+  module's event loop), closed after the module, with the same check; options in
+  ``aoffload_shared_engine_options``. A start costs tens of milliseconds once the process's
+  worker server runs, so the per-test fixtures are cheap too; this one is for suites that
+  want no start at all per test.
 * ``aoffload_kill``: ``await aoffload_kill(obj)`` is :func:`kill_worker`.
 * ``aoffload_s3``: ``s3://<a fresh bucket>/run`` on a real S3 endpoint (moto's server on
   loopback, one per session: ``aoffload_s3_endpoint``), with ``AWS_ENDPOINT_URL`` and fake
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import os
 import signal
@@ -38,7 +44,7 @@ from typing import Any
 import pytest
 
 from ._moto import S3Endpoint
-from ._runtime.census import child_pids, is_resource_tracker, staging_segments
+from ._runtime.census import staging_segments, worker_pids
 from ._runtime.core import WorkerCore
 from .checkpoint import CheckpointEngine
 from .optimizer import CPUAdam
@@ -51,6 +57,8 @@ __all__ = [
     "aoffload_optimizer_options",
     "aoffload_s3",
     "aoffload_s3_endpoint",
+    "aoffload_shared_engine",
+    "aoffload_shared_engine_options",
     "kill_worker",
     "loop_factories",
     "no_leaked_workers",
@@ -76,26 +84,37 @@ def loop_factories(
     ``asyncio_debug`` setting.
     """
 
-    def configured(factory: _LoopFactory) -> _LoopFactory:
-        def new_loop() -> asyncio.AbstractEventLoop:
-            loop = factory()
-            if slow_callback_duration is not None:
-                loop.slow_callback_duration = slow_callback_duration
-            return loop
-
-        return new_loop
-
-    factories = {"asyncio": configured(asyncio.new_event_loop)}
+    factories = {"asyncio": _configured("asyncio", slow_callback_duration)}
     if uvloop is False:
         return factories
     if importlib.util.find_spec("uvloop") is None:
         if uvloop:
             raise pytest.UsageError("loop_factories(uvloop=True): uvloop is not installed")
         return factories
-    import uvloop as uvloop_module
-
-    factories["uvloop"] = configured(uvloop_module.new_event_loop)
+    factories["uvloop"] = _configured("uvloop", slow_callback_duration)
     return factories
+
+
+@functools.cache
+def _configured(kind: str, slow_callback_duration: float | None) -> _LoopFactory:
+    # One factory object per configuration, however often the hook asks: pytest-asyncio
+    # parametrizes tests with them, and only equal parameters let a module- or
+    # session-scoped loop (and the fixtures on it) serve more than one test.
+    if kind == "uvloop":
+        import uvloop as uvloop_module
+
+        factory: _LoopFactory = uvloop_module.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+
+    def new_loop() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        if slow_callback_duration is not None:
+            loop.slow_callback_duration = slow_callback_duration
+        return loop
+
+    new_loop.__name__ = new_loop.__qualname__ = f"new_{kind}_loop"
+    return new_loop
 
 
 # -- leaks -------------------------------------------------------------------------------
@@ -103,15 +122,16 @@ def loop_factories(
 
 @contextlib.contextmanager
 def no_leaked_workers(what: str) -> Iterator[None]:
-    """Fail the test if the block leaves a child process or a staging segment behind.
+    """Fail the test if the block leaves a worker, a child process or a staging segment behind.
 
-    Counts the child processes started inside the block that are still alive at its end
-    (multiprocessing's resource tracker excepted: it lives as long as this process) and
-    the ``/dev/shm`` staging segments this process made inside it.
+    Counts the workers and child processes started inside the block that are still alive
+    at its end, and the ``/dev/shm`` staging segments this process made inside it. Workers
+    are children of aoffload's worker server, which (like multiprocessing's resource
+    tracker) lives as long as this process by design and is not counted itself.
     """
-    children, segments = child_pids(), staging_segments()
+    children, segments = worker_pids(), staging_segments()
     yield
-    left = sorted(pid for pid in child_pids() - children if not is_resource_tracker(pid))
+    left = sorted(worker_pids() - children)
     shm = sorted(staging_segments() - segments)
     problems = []
     if left:
@@ -170,22 +190,27 @@ async def kill_worker(obj: object) -> None:
 _AsyncFixture = Callable[..., AsyncIterator[Any]]
 
 
-def _async_fixture(function: _AsyncFixture) -> Any:
-    """A pytest-asyncio fixture, or one that says pytest-asyncio is missing."""
-    if importlib.util.find_spec("pytest_asyncio") is not None:
-        import pytest_asyncio
+def _async_fixture(**options: Any) -> Callable[[_AsyncFixture], Any]:
+    """A pytest-asyncio fixture (``options`` as pytest-asyncio's), or one that says
+    pytest-asyncio is missing."""
 
-        return pytest_asyncio.fixture(function)
+    def make(function: _AsyncFixture) -> Any:
+        if importlib.util.find_spec("pytest_asyncio") is not None:
+            import pytest_asyncio
 
-    def missing() -> None:
-        pytest.fail(
-            f"the {function.__name__} fixture needs pytest-asyncio: pip install pytest-asyncio",
-            pytrace=False,
-        )
+            return pytest_asyncio.fixture(function, **options)
 
-    missing.__name__ = missing.__qualname__ = function.__name__
-    missing.__doc__ = function.__doc__
-    return pytest.fixture(missing)
+        def missing() -> None:
+            pytest.fail(
+                f"the {function.__name__} fixture needs pytest-asyncio: pip install pytest-asyncio",
+                pytrace=False,
+            )
+
+        missing.__name__ = missing.__qualname__ = function.__name__
+        missing.__doc__ = function.__doc__
+        return pytest.fixture(missing, scope=options.get("scope", "function"))
+
+    return make
 
 
 @pytest.fixture
@@ -200,7 +225,7 @@ def aoffload_optimizer_options() -> dict[str, Any]:
     return {"backend": "torch"}
 
 
-@_async_fixture
+@_async_fixture()
 async def aoffload_engine(
     tmp_path: Path, aoffload_engine_options: dict[str, Any]
 ) -> AsyncIterator[CheckpointEngine]:
@@ -211,7 +236,30 @@ async def aoffload_engine(
             yield engine
 
 
-@_async_fixture
+@pytest.fixture(scope="module")
+def aoffload_shared_engine_options() -> dict[str, Any]:
+    """Keyword arguments of the ``aoffload_shared_engine`` fixture's engine (default: none)."""
+    return {}
+
+
+@_async_fixture(scope="module", loop_scope="module")
+async def aoffload_shared_engine(
+    tmp_path_factory: pytest.TempPathFactory, aoffload_shared_engine_options: dict[str, Any]
+) -> AsyncIterator[CheckpointEngine]:
+    """One started CheckpointEngine for every test of a module that asks for it, writing to a
+    directory of its own; closed after the module's last test, when the leak check runs.
+
+    Its tests run on the module's event loop, the loop the engine started on: mark them
+    ``@pytest.mark.asyncio(loop_scope="module")`` (a ``pytestmark`` does the whole module).
+    They share the engine's directory, so each should use tags of its own.
+    """
+    directory = tmp_path_factory.mktemp("aoffload-shared") / "checkpoints"
+    with no_leaked_workers("the aoffload_shared_engine fixture's module"):
+        async with CheckpointEngine(directory, **aoffload_shared_engine_options) as engine:
+            yield engine
+
+
+@_async_fixture()
 async def aoffload_optimizer(
     aoffload_optimizer_options: dict[str, Any],
 ) -> AsyncIterator[CPUAdam]:

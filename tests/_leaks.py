@@ -1,4 +1,6 @@
-"""Counting what a test may leave behind: child processes, fds, threads, /dev/shm entries."""
+"""Counting what a test may leave behind: workers and child processes, fds, threads, /dev/shm
+entries. The worker servers of this process, their sockets and their listener threads live as
+long as the process by design (the first start of a session starts one): none is counted."""
 
 from __future__ import annotations
 
@@ -6,19 +8,24 @@ import os
 import threading
 from dataclasses import dataclass
 
-from aoffload._runtime import census
+from aoffload._runtime import census, launcher
 from aoffload._runtime.census import SHM_DIR
 
 __all__ = ["Snapshot", "child_pids"]
 
 
 def child_pids() -> set[int]:
-    """Live children of this process, less multiprocessing's resource tracker.
+    """Live workers and other children of this process (see :func:`census.worker_pids`)."""
+    return census.worker_pids()
 
-    The tracker starts with the first spawn of the session and lives on by design, so a
-    test that happens to run first would otherwise count it as a leak.
-    """
-    return {pid for pid in census.child_pids() if not census.is_resource_tracker(pid)}
+
+def _fds() -> int:
+    servers = {server.fileno for server in launcher.servers()}
+    return len({int(fd) for fd in os.listdir("/proc/self/fd")} - servers)
+
+
+def _threads() -> int:
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("aoffload-server-"))
 
 
 @dataclass(frozen=True)
@@ -33,11 +40,13 @@ class Snapshot:
     @classmethod
     def take(cls) -> Snapshot:
         """Read the counts now."""
-        shm = frozenset(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else frozenset()
+        # Only aoffload's names: other processes of a shared machine come and go in /dev/shm.
+        names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+        shm = frozenset(name for name in names if name.startswith("aoffload-"))
         return cls(
             children=frozenset(child_pids()),
-            fds=len(os.listdir("/proc/self/fd")),
-            threads=threading.active_count(),
+            fds=_fds(),
+            threads=_threads(),
             shm=shm,
         )
 

@@ -51,7 +51,7 @@ async def crash_once(directory: Path, seed: int) -> None:
                 await engine.commit()
 
         training = asyncio.create_task(train())
-        await asyncio.sleep(rng.uniform(0.0, 0.15))
+        await asyncio.sleep(rng.uniform(0.0, 0.4))
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(aoffload.WorkerDiedError):
             await training

@@ -144,6 +144,24 @@ async def test_a_failed_commit_leaves_no_directory_behind_a_write_still_queued(
         assert engine.tags() == ["slow"]
 
 
+async def test_a_staging_that_fails_after_the_commit_started_fails_the_commit(
+    tmp_path: Path, big: dict[str, torch.Tensor]
+) -> None:
+    async with aoffload.CheckpointEngine(tmp_path, max_pending=2) as engine:
+        first = engine.stage(big, "big.pt", tag="first")  # the stage thread plans this first
+        engine.stage(filled(1.0), "good.pt", tag="t")
+        bad = engine.stage({"fn": lambda x: x}, "bad.pt", tag="t")  # fails when planned
+        commit = engine.commit("t")  # requested before the bad file is planned
+        with pytest.raises(aoffload.CheckpointError, match=r"'bad\.pt'"):
+            await commit
+        with pytest.raises(aoffload.InvalidStateError, match=r"\['fn'\]"):
+            await bad
+        await first
+        assert engine.latest() is None
+        assert not (tmp_path / "t").exists()
+        await engine.commit("first")
+
+
 async def test_readme_pattern_waits_for_room_instead_of_raising(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -340,6 +340,7 @@ class WorkerCore:
                 remote = RemoteError(message.remote_type, message.message, message.traceback)
                 _complete(waiter, None, remote)
         elif isinstance(message, Ready):
+            self._process.learn_pid(message.pid)
             with self._lock:
                 self._serving = True
             if not self.ready.done():
@@ -369,8 +370,7 @@ class WorkerCore:
                     WorkerStartupError(
                         f"the {self.name} worker (pid {self._process.pid}) "
                         f"{describe_exit(exitcode)} before it was ready; see its output on "
-                        "stderr. A script that starts workers needs the `if __name__ == "
-                        "'__main__':` guard that the spawn start method requires"
+                        "stderr"
                     )
                 )
             elif self._serving and not self._closing:

@@ -1,9 +1,13 @@
 """The worker side of the bridge: handshake, serve loop, errors sent back as objects.
 
-:func:`worker_main` is the spawn target. It imports the service named by a
-``"module:ServiceClass"`` string *inside* its own error handling, so an import failure
-reaches the trainer as :class:`~aoffload.WorkerStartupError` with the worker's
-traceback instead of a bare exit code.
+:func:`run_worker` is where a worker begins, in a child the worker server
+(:mod:`.forkserver`) has just forked. The first message on its request pipe is a
+:class:`Boot`: the trainer's state as of the start (environment, working directory,
+``sys.path``, ...), which it applies first, then the service to build. It imports the
+service named by a ``"module:ServiceClass"`` string and unpickles its configuration
+*inside* its own error handling, so a failure reaches the trainer as
+:class:`~aoffload.WorkerStartupError` with the worker's traceback instead of a bare exit
+code.
 
 A :class:`Service` dispatches each request on its type: a subclass lists its handlers
 in :meth:`Service.handlers`, one per :class:`~aoffload._runtime.protocol.Call` type.
@@ -11,20 +15,25 @@ in :meth:`Service.handlers`, one per :class:`~aoffload._runtime.protocol.Call` t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
+from .inherit import StartState
 from .protocol import Call, Failure, LogEvent, Ready, Reply, Request, Shutdown, StartupFailed
 
-__all__ = ["Handler", "Service", "target", "worker_main"]
+__all__ = ["Boot", "Handler", "Service", "run_worker", "target"]
 
 Handler = Callable[[Any], object]
 """Runs one request of the type it is registered for and returns its (picklable) result."""
@@ -102,23 +111,48 @@ def _own_stdio() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def worker_main(
-    target: str, config: object, requests: Connection, replies: Connection, log_level: int
-) -> None:
-    """Spawn target: build the service, say READY, serve until Shutdown or the trainer's end.
+@dataclass(frozen=True, slots=True)
+class Boot:
+    """Trainer -> worker, first on the request pipe: how this worker starts."""
+
+    state: StartState
+    name: str
+    target: str
+    config: bytes  # pickled; unpickled once ``state`` is applied (``sys.path`` first)
+    log_level: int
+
+
+def _set_name(name: str) -> None:
+    # What ps and top show (15 characters); cosmetic.
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name[:15])
+
+
+def run_worker(requests_fd: int, replies_fd: int) -> None:
+    """A forked worker's life: read its :class:`Boot`, take on the trainer's state as of the
+    start, build the service, say READY, serve until Shutdown or the trainer's end.
 
     Once the service is closed and its last reply sent, the worker leaves with
     ``os._exit``: it owns nothing more, and the interpreter's teardown of torch's modules
     would keep every ``aclose()`` waiting for about 0.7 s. An exception still ends it the
     usual way, with its traceback on stderr and a non-zero exit code.
     """
-    _main(target, config, requests, replies, log_level)
+    requests = Connection(requests_fd, writable=False)
+    replies = Connection(replies_fd, readable=False)
+    try:
+        boot: Boot = pickle.loads(requests.recv_bytes())
+    except EOFError:
+        os._exit(0)  # the trainer is gone before it said what to serve
+    boot.state.apply()
+    multiprocessing.current_process().name = f"aoffload-{boot.name}"
+    _set_name(f"aoffload-{boot.name}")
+    _main(boot.target, boot.config, requests, replies, boot.log_level)
     sys.stderr.flush()
     os._exit(0)
 
 
 def _main(
-    target: str, config: object, requests: Connection, replies: Connection, log_level: int
+    target: str, payload: bytes, requests: Connection, replies: Connection, log_level: int
 ) -> None:
     _own_stdio()
     sender = _Sender(replies)
@@ -130,6 +164,7 @@ def _main(
     try:
         module_name, _, attr = target.partition(":")
         kind: type[Service] = getattr(importlib.import_module(module_name), attr)
+        config = pickle.loads(payload)
         if not isinstance(config, kind.config_type):
             raise TypeError(
                 f"{kind.__qualname__} needs a {kind.config_type.__qualname__}, "

@@ -1,4 +1,4 @@
-"""Bridge section: tiny-request round trips and worker-death detection."""
+"""Bridge section: tiny-request round trips, worker-death detection and worker starts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 
 from .._errors import WorkerDiedError
 from .._runtime.bridge import Bridge
+from . import _starts
 from ._common import Report, progress
 from ._echo import TARGET, Alloc, Echo, Sleep
 
@@ -180,7 +181,7 @@ def _loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
 
 
 def run(report: Report, *, quick: bool) -> None:
-    """Measure the bridge's round trip against plain pipes, and death detection."""
+    """Measure the bridge's round trip against plain pipes, death detection and starts."""
     requests, reps = (500, 3) if quick else (2000, 7)
     progress(f"bridge: blocking pipe round trip ({reps} x {requests})")
     baseline = report.add(
@@ -238,3 +239,4 @@ def run(report: Report, *, quick: bool) -> None:
         "ms",
         asyncio.run(_death_detection(hold, kills)),
     )
+    _starts.run(report, quick=quick)

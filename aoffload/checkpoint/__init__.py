@@ -21,9 +21,38 @@ The writer process's side is :mod:`.writer`; nothing there imports the trainer's
 The uploader process's side is :mod:`.remote` (it reads the format, :mod:`._format`).
 """
 
-from ._commit import CommitResult as CommitResult
-from ._engine import CheckpointEngine as CheckpointEngine
-from ._engine import Staged as Staged
-from ._load import load_checkpoint as load_checkpoint
+from __future__ import annotations
 
-__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")
+import importlib as _importlib
+import typing as _typing
+
+# Imported on first use (PEP 562): the command line reads the format (_format, _inspect)
+# without importing torch.
+if _typing.TYPE_CHECKING:
+    from ._commit import CommitResult as CommitResult
+    from ._engine import CheckpointEngine as CheckpointEngine
+    from ._engine import Staged as Staged
+    from ._load import load_checkpoint as load_checkpoint
+    from ._load import load_metadata as load_metadata
+else:
+    _LAZY = {
+        "CommitResult": "._commit",
+        "CheckpointEngine": "._engine",
+        "Staged": "._engine",
+        "load_checkpoint": "._load",
+        "load_metadata": "._load",
+    }
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})
+
+
+__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint", "load_metadata")

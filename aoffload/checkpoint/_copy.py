@@ -183,7 +183,7 @@ class CopyPool:
         self.size = size if size is not None else len(os.sched_getaffinity(0))
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [
-            threading.Thread(target=self._run, name=f"aoffload-stage-{i}", daemon=True)
+            threading.Thread(target=self._run, name=f"aoffload-copy-{i}", daemon=True)
             for i in range(self.size)
         ]
         for thread in self._threads:

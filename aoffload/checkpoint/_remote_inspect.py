@@ -44,6 +44,7 @@ async def list_tags(url: str) -> tuple[list[TagInfo], str | None]:
                     int(manifest["sequence"]),
                     dict(manifest["files"]),
                     float(manifest["created"]),
+                    metadata=dict(manifest.get("metadata") or {}),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -100,20 +101,26 @@ async def verify_tags(
     return checks
 
 
-def _summarise_remote(store: RemoteStore, info: TagInfo, name: str) -> FileSummary:
+def _summarise_remote(
+    store: RemoteStore, info: TagInfo, name: str, weights_only: bool
+) -> FileSummary:
     with tempfile.TemporaryDirectory(prefix="aoffload-inspect-") as scratch:
         target = Path(scratch) / "file.pt"
         try:
             store.fetch(info.tag, name, info.files[name], str(target))
         except (CheckpointError, CorruptCheckpointError) as exc:
             return FileSummary(name, error=str(exc))
-        return _summarise(target, name)
+        return _summarise(target, name, weights_only)
 
 
-async def inspect_tag(url: str, info: TagInfo) -> list[FileSummary]:
-    """A :class:`FileSummary` of every file of ``info``, each downloaded and loaded."""
+async def inspect_tag(url: str, info: TagInfo, *, weights_only: bool = True) -> list[FileSummary]:
+    """A :class:`FileSummary` of every file of ``info``, each downloaded and loaded
+    (``weights_only=False``: the caller trusts the files)."""
     store = _store(url)
-    return [await asyncio.to_thread(_summarise_remote, store, info, name) for name in info.files]
+    return [
+        await asyncio.to_thread(_summarise_remote, store, info, name, weights_only)
+        for name in info.files
+    ]
 
 
 def leftovers(url: str) -> list[tuple[Path, int]]:

@@ -51,14 +51,19 @@ def merge(local: _format.Scan, directory: Path, remote: RemoteScan) -> _format.S
     tags = [tag for _, tag in sorted((s, t) for t, s in sequences.items())]
     candidates = [t for t in (local.latest, remote.latest) if t is not None and t in sequences]
     latest = max(candidates, key=lambda t: sequences[t], default=local.latest)
-    return _format.Scan(tags, max([local.sequence, *sequences.values()]), latest)
+    metadata = {t: dict(m["metadata"]) for t, m in remote.manifests.items() if m.get("metadata")}
+    metadata.update(local.metadata)
+    return _format.Scan(tags, max([local.sequence, *sequences.values()]), latest, metadata)
 
 
 def result_of(directory: Path, manifest: Mapping[str, Any]) -> CommitResult:
     """A :class:`CommitResult` for a tag this engine did not commit (from its manifest)."""
     files = {name: int(entry["bytes"]) for name, entry in manifest["files"].items()}
     tag = str(manifest["tag"])
-    return CommitResult(tag, directory / tag, tuple(files), sum(files.values()), 0.0, 0.0, 0.0)
+    metadata = dict(manifest.get("metadata") or {})
+    return CommitResult(
+        tag, directory / tag, tuple(files), sum(files.values()), 0.0, 0.0, 0.0, metadata
+    )
 
 
 def source(
@@ -104,6 +109,7 @@ def load_either(
     map_location: MapLocation,
     verify: bool,
     loader: Remote,
+    weights_only: bool = True,
 ) -> Any:
     """Load file ``name`` of ``tag`` (default: ``latest``, the newest of both tiers) from
     the local tier, or from the remote tier through the cache (blocking: the load thread).
@@ -117,7 +123,7 @@ def load_either(
             f"neither {tier.directory} nor {tier.url} holds a committed checkpoint"
         )
     root, fresh = source(tier, name, _format.validate_tag(tag), known)
-    return load_file(root, name, tag, map_location, verify and not fresh, loader)
+    return load_file(root, name, tag, map_location, verify and not fresh, loader, weights_only)
 
 
 def load_url(
@@ -127,6 +133,7 @@ def load_url(
     storage_options: Mapping[str, Any] | None,
     map_location: MapLocation,
     verify: bool,
+    weights_only: bool = True,
 ) -> Any:
     """:func:`~aoffload.load_checkpoint` of a URL (blocking, on its own thread).
 
@@ -155,4 +162,6 @@ def load_url(
             root, fresh = source(tier, name, _format.validate_tag(tag))
         finally:
             tier.close()
-        return load_file(root, name, tag, map_location, verify and not fresh)
+        return load_file(
+            root, name, tag, map_location, verify and not fresh, weights_only=weights_only
+        )

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .._errors import CheckpointError
 from . import _format
 from ._commit import Catalog, CommitResult, committed
-from ._distributed import Ranks, Resolve, merge_reports
+from ._distributed import Ranks, Resolve, merge_reports, warn_differing
 from ._ranks import Keys, first_line
 from ._tags import OpenTag
 from .writer._calls import FileRecord
@@ -120,9 +120,11 @@ class SpreadRanks(Ranks):
         """Rank 0: gather the files of the ranks that share this directory, publish them."""
         tag = open_tag.tag
         published: dict[str, _format.FileEntry] = {}
+        kept = open_tag.metadata
         try:
             reports = self._meet.reports(keys)
             entries, sources = merge_reports(tag, reports, self._directory)
+            warn_differing(tag, kept, reports)
             away = [
                 rank
                 for rank, report in enumerate(reports)
@@ -135,17 +137,23 @@ class SpreadRanks(Ranks):
             def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
                 published.update(files)
                 sizes = {name: entry.bytes for name, entry in files.items()} | elsewhere
-                return committed(catalog.directory, open_tag, records, started, sizes)
+                return committed(catalog.directory, open_tag, records, started, sizes, kept)
 
             _format.gather(open_tag.tmpdir, here, durable=self._durable)
-            done = catalog.publish(open_tag.tmpdir, tag, local, result, latest=latest)
+            done = catalog.publish(open_tag.tmpdir, tag, local, result, kept, latest=latest)
         except BaseException as exc:
             self._meet.set(keys.result, json.dumps({"ok": False, "error": first_line(exc)}))
             raise
         peers = {name for rank, report in enumerate(reports) if rank for name in report["files"]}
         self._own[tag] = {n: e for n, e in published.items() if n not in peers}
         sizes = {name: entry.bytes for name, entry in published.items()} | elsewhere
-        answer = {"ok": True, "sequence": catalog.sequence, "files": sizes, "away": away}
+        answer = {
+            "ok": True,
+            "sequence": catalog.sequence,
+            "files": sizes,
+            "away": away,
+            "metadata": kept,
+        }
         self._meet.announce(keys, json.dumps(answer))
         return done
 
@@ -160,9 +168,10 @@ class SpreadRanks(Ranks):
     ) -> CommitResult:
         """Ranks but 0: wait for rank 0; an away rank then publishes its files locally."""
         tag = open_tag.tag
-        answer = self._answer(keys, tag, catalog)
+        answer = self._answer(keys, open_tag, catalog)
+        kept = answer.get("metadata")
         if self.rank not in answer.get("away", ()):
-            done = committed(catalog.directory, open_tag, records, started, answer["files"])
+            done = committed(catalog.directory, open_tag, records, started, answer["files"], kept)
             catalog.record(tag, int(answer["sequence"]), done, latest=latest)
             catalog.forget_old()
             self._own[tag] = _entries(records)
@@ -172,12 +181,12 @@ class SpreadRanks(Ranks):
 
             def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
                 sizes = dict(answer["files"]) | {n: e.bytes for n, e in files.items()}
-                return committed(catalog.directory, open_tag, records, started, sizes)
+                return committed(catalog.directory, open_tag, records, started, sizes, kept)
 
             mine = _entries(records)
             sequence = int(answer["sequence"])
             done = catalog.publish(
-                open_tag.tmpdir, tag, mine, result, latest=latest, sequence=sequence
+                open_tag.tmpdir, tag, mine, result, kept, latest=latest, sequence=sequence
             )
         except BaseException as exc:  # its upload can never happen: tell rank 0 at once
             failure = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from aoffload.bench._echo import Alloc, Echo, EchoService, Sleep
 __all__ = [
     "TARGET",
     "Alloc",
+    "CudaProbe",
+    "Describe",
     "Echo",
     "EchoConfig",
     "EchoLarge",
@@ -78,6 +81,19 @@ class Pid(Call[int]):
 
 
 @dataclass(frozen=True, slots=True)
+class Describe(Call[dict[str, Any]]):
+    """What the worker inherited: parent, environment variable ``variable``, cwd, umask,
+    CPU affinity, torch's thread count, nice value and scheduling policy."""
+
+    variable: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CudaProbe(Call[str]):
+    """Initialise CUDA in the worker and run a kernel; the device's name."""
+
+
+@dataclass(frozen=True, slots=True)
 class IgnoreTerm(Call[None]):
     """Ignore SIGTERM from now on (tests the shutdown ladder)."""
 
@@ -111,7 +127,37 @@ class FaultyEchoService(EchoService):
             Exit: lambda call: os._exit(call.code),
             Pid: lambda call: os.getpid(),
             IgnoreTerm: lambda call: signal.signal(signal.SIGTERM, signal.SIG_IGN) and None,
+            Describe: self._describe,
+            CudaProbe: self._cuda,
         }
+
+    @staticmethod
+    def _describe(call: Describe) -> dict[str, Any]:
+        import torch
+
+        umask = os.umask(0)
+        os.umask(umask)
+        return {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "variable": os.environ.get(call.variable),
+            "cwd": os.getcwd(),
+            "umask": umask,
+            "affinity": os.sched_getaffinity(0),
+            "threads": torch.get_num_threads(),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "policy": os.sched_getscheduler(0),
+            "main": getattr(sys.modules["__main__"], "__file__", None),
+        }
+
+    @staticmethod
+    def _cuda(call: CudaProbe) -> str:
+        import torch
+
+        x = torch.ones(1 << 20, device="cuda")
+        if float((x * 2).sum()) != 2.0 * (1 << 20):
+            raise RuntimeError("a CUDA kernel in the worker computed a wrong sum")
+        return torch.cuda.get_device_name()
 
     @staticmethod
     def _raise(call: Raise) -> None:
