@@ -23,7 +23,8 @@ def spread(rank: int, world: int, directory: Path, url: str, victim: int) -> dic
         ) as engine:
             for step in (1, 2, 3):
                 await engine.save(shard(rank, step), f"shard-{rank}.pt", tag=f"step-{step}")
-                result = await engine.commit(f"step-{step}")
+                metadata = {"step": step, "rank": rank}  # rank 0's is kept (and logged)
+                result = await engine.commit(f"step-{step}", metadata=metadata)
                 out[f"local-{step}"] = sorted(os.listdir(node / f"step-{step}"))
                 uploaded = await engine.uploaded(f"step-{step}")
             out["files"] = sorted(result.files)
@@ -41,6 +42,7 @@ def spread(rank: int, world: int, directory: Path, url: str, victim: int) -> dic
         fresh = directory / f"fresh-{rank}"
         async with aoffload.CheckpointEngine(fresh, distributed=True, remote=url) as engine:
             out["fresh_tags"], out["fresh_latest"] = engine.tags(), engine.latest()
+            out["fresh_metadata"] = engine.metadata()
             other = await engine.load(f"shard-{(rank + 1) % world}.pt")
             out["other"] = float(other["w0"][0, 0])
         return out

@@ -138,12 +138,14 @@ async def test_a_fresh_machine_resumes_from_the_remote_tier(
         for step in (1, 2):
             await engine.save(state(step), "model.pt", tag=f"step-{step}")
             await engine.save({"step": step}, "meta.pt", tag=f"step-{step}")
-            await engine.commit(f"step-{step}")
+            await engine.commit(f"step-{step}", metadata={"step": step, "loss": 1.0 / step})
         await engine.uploaded()
     fresh = tmp_path / "b"
     async with aoffload.CheckpointEngine(fresh, remote=aoffload_s3) as engine:
         assert engine.tags() == ["step-1", "step-2"]
         assert engine.latest() == "step-2"
+        assert engine.metadata() == {"step": 2, "loss": 0.5}  # from the remote manifest
+        assert engine.metadata("step-1") == {"step": 1, "loss": 1.0}
         loaded = await engine.load("model.pt")
         assert torch.equal(loaded["w"], state(2)["w"])
         older = await engine.load("model.pt", tag="step-1")
@@ -164,6 +166,10 @@ async def test_a_fresh_machine_resumes_from_the_remote_tier(
     assert torch.equal(found["w"], state(3)["w"])
     found = await aoffload.load_checkpoint(aoffload_s3, "meta.pt", tag="step-1")
     assert found == {"step": 1}
+    assert await aoffload.load_metadata(aoffload_s3, "step-2") == {"step": 2, "loss": 0.5}
+    assert await aoffload.load_metadata(aoffload_s3) == {}  # step-3 was committed without
+    with pytest.raises(aoffload.CheckpointError, match="no published checkpoint 'step-9'"):
+        await aoffload.load_metadata(aoffload_s3, "step-9")
 
 
 async def test_a_corrupt_remote_file_is_never_cached_nor_loaded(
@@ -207,8 +213,9 @@ async def test_a_paused_endpoint_delays_the_upload_and_latest_never_names_a_part
             await engine.save(state(1), "model.pt", tag="step-1")
             await engine.commit("step-1")
             await engine.uploaded("step-1")
+            big = await asyncio.to_thread(state, 2, 2048)  # built off the loop: 8 MiB
             for name in ("model.pt", "optim.pt"):  # 16 MiB: the pause lands mid-upload
-                await engine.save(state(2, rows=2048), name, tag="step-2")
+                await engine.save(big, name, tag="step-2")
             await engine.commit("step-2")
             endpoint.pause()
             await asyncio.sleep(3)
@@ -232,7 +239,7 @@ async def test_an_endpoint_that_stays_down_fails_the_upload_clearly_and_keeps_th
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")
-        endpoint.stop()
+        await asyncio.to_thread(endpoint.stop)  # it waits for the server's exit
         await engine.save(state(2), "model.pt", tag="step-2")
         result = await engine.commit("step-2")  # durable locally: the remote tier is not waited for
         assert result.tag == "step-2"
@@ -342,7 +349,7 @@ def test_the_command_line_reads_a_remote_tier(
         async with aoffload.CheckpointEngine(tmp_path, remote=aoffload_s3) as engine:
             for step in (1, 2):
                 await engine.save(state(step), "model.pt", tag=f"step-{step}")
-                await engine.commit(f"step-{step}")
+                await engine.commit(f"step-{step}", metadata={"epoch": step})
             await engine.uploaded()
 
     def run(*argv: str) -> tuple[int, str]:  # as a user runs it: its own process
@@ -356,6 +363,7 @@ def test_the_command_line_reads_a_remote_tier(
     assert "step-1" in out
     assert "step-2 *" in out
     assert "* latest: step-2" in out
+    assert '{"epoch": 2}' in out  # each tag's metadata, from the remote manifests
     status, out = run("verify", aoffload_s3, "--all")
     assert status == 0, out
     assert "step-2: 1 files" in out

@@ -31,6 +31,7 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
         assert result["committed-4"] == "step-4"  # durable locally whatever the upload does
         assert result["fresh_tags"] == ["step-2", "step-3"]
         assert result["fresh_latest"] == "step-3"
+        assert result["fresh_metadata"] == {"step": 3, "rank": 0}  # rank 0's, from the manifest
         assert result["other"] == float(3 * 10 + (rank + 1) % 2)  # the other rank's shard
     healthy, victim = results[0]["failed"], results[1]["failed"]
     assert healthy[0] == "CheckpointError"

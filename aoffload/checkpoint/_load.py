@@ -285,15 +285,25 @@ async def load_checkpoint(
 
 
 async def load_metadata(
-    directory: str | os.PathLike[str], tag: str | None = None
+    directory: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metadata committed with checkpoint ``tag`` of ``directory``, without an engine.
 
     ``tag=None`` reads the checkpoint ``latest`` names. Returns ``{}`` for a checkpoint
-    committed without metadata. The manifest is read on a thread of its own. Raises
-    :class:`CheckpointError` for an unknown tag (or none committed),
+    committed without metadata. The manifest is read on a thread of its own. ``directory``
+    may be a remote tier's URL (reached with ``storage_options``), read by a worker started
+    for the call. Raises :class:`CheckpointError` for an unknown tag (or none committed),
     :class:`CorruptCheckpointError` for an unreadable manifest.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from ._resume import metadata_url
+
+        return await run_in_thread(
+            metadata_url, directory, tag, storage_options, name="aoffload-load"
+        )
 
     def read() -> dict[str, Any]:
         _, manifest = read_manifest(Path(directory), tag)

@@ -30,7 +30,7 @@ from .remote._store import RemoteScan
 if TYPE_CHECKING:
     from ._upload import RemoteTier
 
-__all__ = ["CACHE", "load_either", "load_url", "merge", "result_of", "source"]
+__all__ = ["CACHE", "load_either", "load_url", "merge", "metadata_url", "result_of", "source"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,35 @@ def load_either(
     return load_file(root, name, tag, map_location, verify and not fresh, loader, weights_only)
 
 
+def _temporary_tier(
+    scratch: str, url: str, storage_options: Mapping[str, Any] | None
+) -> RemoteTier:
+    from ._upload import RemoteTier
+
+    tier = RemoteTier(
+        Path(scratch),
+        url,
+        storage_options,
+        keep_last=None,
+        upload_timeout=_LOADER_SECONDS,
+        close_timeout=_LOADER_SECONDS,
+    )
+    tier.spawn()
+    return tier
+
+
+def _published(tier: RemoteTier, tag: str | None) -> tuple[str, _format.Scan]:
+    scan = tier.join(_LOADER_SECONDS, _format.Scan([], 0, None))
+    tag = tag if tag is not None else scan.latest
+    if tag is None:
+        raise CheckpointError(f"{tier.url} holds no published checkpoint")
+    tag = _format.validate_tag(tag)
+    if tag not in scan.tags:
+        known = ", ".join(scan.tags) or "none"
+        raise CheckpointError(f"{tier.url} has no published checkpoint {tag!r} (it has: {known})")
+    return tag, scan
+
+
 def load_url(
     url: str,
     name: str,
@@ -143,25 +172,26 @@ def load_url(
     """
     name = _format.validate_name(name)
     with tempfile.TemporaryDirectory(prefix="aoffload-load-") as scratch:
-        from ._upload import RemoteTier
-
-        tier = RemoteTier(
-            Path(scratch),
-            url,
-            storage_options,
-            keep_last=None,
-            upload_timeout=_LOADER_SECONDS,
-            close_timeout=_LOADER_SECONDS,
-        )
-        tier.spawn()
+        tier = _temporary_tier(scratch, url, storage_options)
         try:
-            scan = tier.join(_LOADER_SECONDS, _format.Scan([], 0, None))
-            tag = tag if tag is not None else scan.latest
-            if tag is None:
-                raise CheckpointError(f"{tier.url} holds no published checkpoint")
-            root, fresh = source(tier, name, _format.validate_tag(tag))
+            tag, _ = _published(tier, tag)
+            root, fresh = source(tier, name, tag)
         finally:
             tier.close()
         return load_file(
             root, name, tag, map_location, verify and not fresh, weights_only=weights_only
         )
+
+
+def metadata_url(
+    url: str, tag: str | None, storage_options: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """:func:`~aoffload.load_metadata` of a URL (blocking): the remote manifest's metadata,
+    read by an uploader started for the call."""
+    with tempfile.TemporaryDirectory(prefix="aoffload-load-") as scratch:
+        tier = _temporary_tier(scratch, url, storage_options)
+        try:
+            tag, scan = _published(tier, tag)
+        finally:
+            tier.close()
+    return dict(scan.metadata.get(tag, {}))
