@@ -9,7 +9,9 @@ for the section; it runs on this machine's cores, so it is the ceiling of every 
   files and multipart parts), alternating repetitions; goal >= 0.9x;
 * **the trainer's stall** (``stage()`` + the fence after a step that blocks the loop's
   thread, then ``commit_soon()``) with a remote tier whose uploads run during the next
-  steps, against the same engine without one; goal <= 1.05x.
+  steps, against the same engine without one; goal <= 1.05x;
+* **commit() time** (its ``commit_seconds``: the call until the tag is durable locally) in
+  the same runs, with and without a remote tier: the remote tier must not slow it.
 
 Needs ``s3fs`` and ``moto[server]`` (``pip install aoffload[dev]``); skipped without them.
 """
@@ -115,10 +117,12 @@ async def _throughput(
 
 async def _stall(
     url: str | None, directory: Path, state: dict[str, Any], steps: int, step: float
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
+    """The trainer's stall per step, and each ``commit()``'s own time (``commit_seconds``:
+    from the call until the tag is durable locally), with or without a remote tier."""
     import aoffload
 
-    stalls = []
+    stalls, commits = [], []
     async with aoffload.CheckpointEngine(directory, remote=url, keep_last=2) as engine:
         for n in range(steps + 1):
             tag = f"s{n}"
@@ -130,12 +134,15 @@ async def _stall(
             for one in staged:
                 await one
             stall = call + time.perf_counter() - fenced
+            if n > 1:  # the previous commit ended during this step: its result, at once
+                commits.append((await engine.commit(f"s{n - 1}")).commit_seconds)
             engine.commit_soon(tag)
             if n:
                 stalls.append(stall)
+        commits.append((await engine.commit(f"s{steps}")).commit_seconds)
         if url is not None:
             await engine.uploaded()
-    return stalls
+    return stalls, commits
 
 
 def run(report: Report, *, quick: bool) -> None:
@@ -164,11 +171,19 @@ def run(report: Report, *, quick: bool) -> None:
             asyncio.run(_throughput(report, url, root, state, reps))
             without: list[float] = []
             with_remote: list[float] = []
+            commit_without: list[float] = []
+            commit_with: list[float] = []
             for rep in range(2):  # alternate, twice, to spread the host's noise
-                without += asyncio.run(_stall(None, root / f"local-{rep}", state, steps, step))
-                with_remote += asyncio.run(
+                stalls, commits = asyncio.run(
+                    _stall(None, root / f"local-{rep}", state, steps, step)
+                )
+                without += stalls
+                commit_without += commits
+                stalls, commits = asyncio.run(
                     _stall(f"{url}-stall-{rep}", root / f"remote-{rep}", state, steps, step)
                 )
+                with_remote += stalls
+                commit_with += commits
             note = f"stage() + fence after a {step} s step that blocks the loop, {total_mib} MiB"
             a = report.add(
                 SECTION,
@@ -187,6 +202,24 @@ def run(report: Report, *, quick: bool) -> None:
                 note,
             )
             report.ratio(SECTION, "stall with / without a remote tier (goal <= 1.05)", a, b)
+            note = f"commit() call to durable locally (commit_seconds), {total_mib} MiB"
+            a = report.add(
+                SECTION,
+                "aoffload with remote=",
+                "commit() time",
+                "ms",
+                [s * 1e3 for s in commit_with],
+                note,
+            )
+            b = report.add(
+                SECTION,
+                "aoffload without remote",
+                "commit() time",
+                "ms",
+                [s * 1e3 for s in commit_without],
+                note,
+            )
+            report.ratio(SECTION, "commit() time with / without a remote tier", a, b)
             progress(
                 f"remote: stall {statistics.median(with_remote) * 1e3:.1f} ms with, "
                 f"{statistics.median(without) * 1e3:.1f} ms without"
