@@ -30,6 +30,7 @@ import concurrent.futures
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,10 @@ _KEEP_FUTURES = 64
 
 
 _settling = threading.Lock()
+
+
+def _nothing() -> None:
+    """Marks where the upload thread's queue ends."""
 
 
 def _settle(
@@ -169,7 +174,13 @@ class RemoteTier:
         uploader. An upload still running then fails (:class:`CheckpointError`)."""
         with self._lock:
             pending = [f for f in self._futures.values() if not f.done()]
+        started = time.monotonic()
         _, late = concurrent.futures.wait(pending, timeout=self.timeout)
+        if not late and self._thread is not None:
+            # the retention that follows a publication, still running on the upload
+            # thread once the last upload resolved, ends before the uploader goes
+            left = max(0.0, self.timeout - (time.monotonic() - started))
+            concurrent.futures.wait([self._thread.submit(_nothing)], timeout=left)
         if late:
             logger.warning(
                 "closing with %d upload(s) to %s still running after upload_timeout=%s s; "
