@@ -1,6 +1,7 @@
 """``python -m aoffload`` (the ``aoffload`` console script): look after checkpoint directories.
 
-The commands read the directory with :mod:`aoffload.checkpoint._inspect`; this module
+The commands read the directory with :mod:`aoffload.checkpoint._inspect` (a remote tier's
+URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint._remote_inspect`); this module
 parses arguments, prints, and maps outcomes to the exit codes below.
 """
 
@@ -84,9 +85,18 @@ def _age(seconds: float | None) -> str:
 # -- commands ------------------------------------------------------------------------------
 
 
+def _source(location: str) -> tuple[Any, Any]:
+    """What reads ``location`` and how it is named: a remote tier's URL, or a directory."""
+    if "://" in location:
+        from .checkpoint import _remote_inspect
+
+        return _remote_inspect, location
+    return _inspect, Path(location)
+
+
 async def _ls(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    infos, latest = await _inspect.list_tags(directory)
+    reader, directory = _source(args.directory)
+    infos, latest = await reader.list_tags(directory)
     if not infos:
         _say(out, f"{directory}: no committed checkpoints")
     else:
@@ -104,7 +114,7 @@ async def _ls(args: argparse.Namespace, out: TextIO) -> int:
                 row += "  " + _metadata(info.metadata)
             _say(out, f"{info.tag + mark:<{width}}  {row}".rstrip())
         _say(out, f"* latest: {latest}")
-    stale = await asyncio.to_thread(_inspect.leftovers, directory)
+    stale = await asyncio.to_thread(reader.leftovers, directory)
     if stale:
         total = sum(size for _, size in stale)
         _say(
@@ -127,11 +137,11 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 async def _verify(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    infos = await _inspect.resolve_tags(directory, args.tag, args.all)
+    reader, directory = _source(args.directory)
+    infos = await reader.resolve_tags(directory, args.tag, args.all)
     bar = _progress_bar(sum(info.bytes for info in infos), args.progress)
     try:
-        checks = await _inspect.verify_tags(directory, infos, bar.update if bar else None)
+        checks = await reader.verify_tags(directory, infos, bar.update if bar else None)
     finally:
         if bar is not None:
             bar.close()
@@ -150,8 +160,8 @@ async def _verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
-    directory = Path(args.directory)
-    [info] = await _inspect.resolve_tags(directory, args.tag, False)
+    reader, directory = _source(args.directory)
+    [info] = await reader.resolve_tags(directory, args.tag, False)
     if info.error is not None:
         _say(out, f"{info.tag}: {info.error}")
         return EXIT_DAMAGED
@@ -159,7 +169,7 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
     _say(out, f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}")
     if info.metadata:
         _say(out, f"metadata: {_metadata(info.metadata, None)}")
-    for summary in await _inspect.inspect_tag(directory, info, weights_only=args.weights_only):
+    for summary in await reader.inspect_tag(directory, info, weights_only=args.weights_only):
         size = _size(int(info.files[summary.name]["bytes"]))
         _say(out, f"{info.tag}/{summary.name} ({size} on disk)")
         if summary.error is not None:
@@ -178,6 +188,8 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _clean(args: argparse.Namespace, out: TextIO) -> int:
+    if "://" in args.directory:
+        raise CheckpointError("clean works on a local directory, not on a remote tier's URL")
     directory = Path(args.directory)
     removed = await asyncio.to_thread(_inspect.clean, directory, dry_run=args.dry_run)
     if removed is None:
@@ -217,7 +229,9 @@ def _parser() -> argparse.ArgumentParser:
             epilog=_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        sub.add_argument("directory", metavar="DIR", help="the checkpoint directory")
+        sub.add_argument(
+            "directory", metavar="DIR", help="the checkpoint directory, or a remote tier's URL"
+        )
         sub.set_defaults(run=run)
         return sub
 

@@ -15,6 +15,9 @@ load it with ``-p aoffload``. It provides:
   worker server runs, so the per-test fixtures are cheap too; this one is for suites that
   want no start at all per test.
 * ``aoffload_kill``: ``await aoffload_kill(obj)`` is :func:`kill_worker`.
+* ``aoffload_s3``: ``s3://<a fresh bucket>/run`` on a real S3 endpoint (moto's server on
+  loopback, one per session: ``aoffload_s3_endpoint``), with ``AWS_ENDPOINT_URL`` and fake
+  credentials set for the test: ``CheckpointEngine(tmp_path, remote=aoffload_s3)``.
 * ``aoffload_engine_options`` / ``aoffload_optimizer_options``: the keyword arguments of
   the two constructors (``{}`` and ``{"backend": "torch"}``); override them in a
   ``conftest.py`` to change them for a directory of tests.
@@ -40,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from ._moto import S3Endpoint
 from ._runtime.census import staging_segments, worker_pids
 from ._runtime.core import WorkerCore
 from .checkpoint import CheckpointEngine
@@ -51,6 +55,8 @@ __all__ = [
     "aoffload_kill",
     "aoffload_optimizer",
     "aoffload_optimizer_options",
+    "aoffload_s3",
+    "aoffload_s3_endpoint",
     "aoffload_shared_engine",
     "aoffload_shared_engine_options",
     "kill_worker",
@@ -269,3 +275,26 @@ async def aoffload_optimizer(
 def aoffload_kill() -> Callable[[object], Coroutine[Any, Any, None]]:
     """``await aoffload_kill(obj)``: SIGKILL ``obj``'s worker; see :func:`kill_worker`."""
     return kill_worker
+
+
+# -- a real S3 endpoint ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def aoffload_s3_endpoint() -> Iterator[S3Endpoint]:
+    """moto's S3 server on loopback (a free port), started once per session; see
+    :class:`~aoffload._moto.S3Endpoint`. Needs ``moto[server]``."""
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
+        pytest.skip("the aoffload_s3 fixtures need moto[server] and s3fs")
+    with S3Endpoint.start() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def aoffload_s3(aoffload_s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://<a fresh bucket>/run`` on the session's moto server, with the environment
+    (``AWS_ENDPOINT_URL``, fake credentials) pointing s3fs and aoffload's workers at it:
+    ``CheckpointEngine(tmp_path, remote=aoffload_s3)``."""
+    for name, value in aoffload_s3_endpoint.environ.items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{aoffload_s3_endpoint.bucket()}/run"

@@ -21,6 +21,7 @@ SECTIONS = (
     "looplag",
     "distributed",
     "offload_adam",
+    "remote",
 )
 
 
@@ -134,6 +135,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _offload_adam
 
         _offload_adam.run(report, quick=args.quick)
+    elif section == "remote":
+        from . import _remote
+
+        _remote.run(report, quick=args.quick)
     elif section == "looplag":
         from . import _looplag
 

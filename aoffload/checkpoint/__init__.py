@@ -10,11 +10,15 @@ The trainer's side, by role:
   :mod:`._staging`);
 - :mod:`._commit`: a commit, on the commit thread, and the catalog of committed tags;
   :mod:`._distributed` and :mod:`._ranks`: the same across every rank;
+- :mod:`._upload`: the remote tier (``remote=``): uploads in commit order; :mod:`._resume`:
+  both tiers as one catalog, verified downloads;
+  :mod:`._spread`: ranks without a shared filesystem;
 - :mod:`._load`: verified loads; :mod:`._lock`: the directory lock;
 - :mod:`._format`: the on-disk format alone (no torch): manifest, ``latest``, scan,
   publish, verify; :mod:`._inspect`: what the command line shows.
 
 The writer process's side is :mod:`.writer`; nothing there imports the trainer's side.
+The uploader process's side is :mod:`.remote` (it reads the format, :mod:`._format`).
 """
 
 from __future__ import annotations

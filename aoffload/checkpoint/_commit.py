@@ -167,6 +167,10 @@ def commit_local(
         raise
 
 
+def _suffix() -> str:
+    return uuid.uuid4().hex[:8]
+
+
 class Catalog:
     """The committed tags of one directory, as of the engine's start and its own commits.
 
@@ -185,6 +189,8 @@ class Catalog:
         self._keep_last = keep_last
         self._trash: DaemonThreadExecutor | None = None
         self._deletions: set[concurrent.futures.Future[None]] = set()
+        self.holding: Callable[[str], concurrent.futures.Future[Any] | None] | None = None
+        """What still reads a committed tag (its upload): retention deletes it after."""
 
     @property
     def tags(self) -> list[str]:
@@ -231,19 +237,22 @@ class Catalog:
         metadata: Metadata | None,
         *,
         latest: bool = True,
+        sequence: int | None = None,
     ) -> CommitResult:
         """Publish ``tmpdir`` as ``tag`` (its manifest holding ``metadata``) and (with
         ``latest``) move ``latest``; then retire.
 
         ``result(files)`` builds the :class:`CommitResult` from every published file.
-        Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
+        ``sequence`` is the tag's (default: one above the last). Raises
+        :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
         """
+        sequence = self.sequence + 1 if sequence is None else sequence
         publish = functools.partial(
             _format.publish,
             tmpdir,
             self.directory,
             tag,
-            self.sequence + 1,
+            sequence,
             files,
             durable=self._durable,
             latest=latest,
@@ -257,7 +266,7 @@ class Catalog:
                 f"{_format.LATEST!r} still names {self.latest!r}"
             ) from exc
         done = result(published)
-        self.record(tag, self.sequence + 1, done, latest=latest)
+        self.record(tag, sequence, done, latest=latest)
         logger.info(
             "checkpoint %s committed: %d files, %.3f GB, staged in %.3f s, written in "
             "%.3f s (%.2f GB/s), commit %.3f s",
@@ -305,13 +314,20 @@ class Catalog:
                 logger.exception("retention could not delete checkpoint %r; left in place", tag)
 
     def _delete(self, tag: str) -> None:
-        """Rename ``tag`` out of the listing, then delete it in the background."""
-        trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+        """Rename ``tag`` out of the listing, then delete it in the background; a tag its
+        upload still reads (:attr:`holding`) goes once the upload ends."""
+        if not (self.directory / tag).is_dir():
+            return  # only in the remote tier
+        held = self.holding(tag) if self.holding is not None else None
         # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
         # close() waits for it.
         if self._trash is None:
             self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-        deletion = self._trash.submit(_format.remove_tree, trash)
+        if held is None:
+            trash = _format.retire(self.directory, tag, _suffix())
+            deletion = self._trash.submit(_format.remove_tree, trash)
+        else:
+            deletion = self._trash.submit(self._retire_after, tag, held)
         self._deletions.add(deletion)
         deletion.add_done_callback(self._deleted)
 
@@ -352,6 +368,10 @@ class Catalog:
             _format.point_latest(self.directory, self.latest, durable=self._durable)
         self._delete(tag)
         return True
+
+    def _retire_after(self, tag: str, held: concurrent.futures.Future[Any]) -> None:
+        concurrent.futures.wait([held])
+        _format.remove_tree(_format.retire(self.directory, tag, _suffix()))
 
     def _deleted(self, deletion: concurrent.futures.Future[None]) -> None:
         self._deletions.discard(deletion)

@@ -15,8 +15,11 @@ writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (:mod:`.write
 commit thread        one commit at a time, in request order: wait for the writes,
                      fsync, publish, ``latest``, retention (:mod:`._commit`), with
                      every rank (:mod:`._distributed`)
-load thread          verify and load (:mod:`._load`)
+load thread          verify and load (:mod:`._load`); from the remote tier
+                     through its cache (:mod:`._upload`)
 trash thread         deleting retired tags
+upload thread        with ``remote=``: each committed tag, in commit order, through
+                     the uploader process (:mod:`._upload`, :mod:`.remote`)
 ===================  ==============================================================
 
 The tags in flight have one owner, :class:`~._tags.Tags`.
@@ -30,7 +33,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +47,10 @@ from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline, Unloadable
 from ._plan import modified
 from ._ranks import first_line
+from ._resume import load_either
+from ._spread import SpreadRanks
 from ._tags import FileJob, OpenTag, Tags
+from ._upload import RemoteTier
 from .writer import TARGET
 from .writer._calls import WriterConfig
 
@@ -106,6 +112,9 @@ class EngineCore:
         distributed: bool = False,
         commit_timeout: float = 300.0,
         unloadable: Unloadable = "warn",
+        remote: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_timeout: float = 600.0,
     ) -> None:
         if unloadable not in ("warn", "error", "ignore"):
             raise ValueError(f"unloadable must be 'warn', 'error' or 'ignore', not {unloadable!r}")
@@ -126,11 +135,27 @@ class EngineCore:
         self.tags = Tags(self.directory, max_pending)
         self._max_pending = max_pending
         self.catalog = Catalog(self.directory, durable=durable, keep_last=keep_last)
-        self._ranks = (
-            Ranks(self.directory, writer=writer, durable=durable, timeout=commit_timeout)
-            if distributed
+        self.remote = (
+            RemoteTier(
+                self.directory,
+                remote,
+                storage_options,
+                keep_last=keep_last,
+                upload_timeout=upload_timeout,
+                close_timeout=close_timeout,
+            )
+            if remote is not None
             else None
         )
+        self._ranks: Ranks | None = None
+        if distributed:  # without a shared filesystem: each rank keeps its files (_spread)
+            kind = Ranks if self.remote is None else SpreadRanks
+            self._ranks = kind(
+                self.directory, writer=writer, durable=durable, timeout=commit_timeout
+            )
+        if self.remote is not None:
+            self.remote.ranks = self._ranks if isinstance(self._ranks, SpreadRanks) else None
+            self.catalog.holding = self.remote.holding  # retention waits for an upload
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -156,10 +181,14 @@ class EngineCore:
         if self._running or self._closed:
             raise ClosedError("this checkpoint engine was already started; create a new one")
         try:
+            if self.remote is not None:
+                self.remote.spawn()  # it starts while the directory is scanned
             if self._ranks is not None:  # rank 0 alone may clean (see _lock)
                 found = self._ranks.start()
             else:
                 self._lock, found = _scan_alone(self.directory, self.writer is not None)
+            if self.remote is not None:
+                found = self.remote.join(self._start_timeout, found)
             self.catalog.found(found)
             self._tag_bytes = _untrusted.tag_limit(self.directory)
             self._commits = DaemonThreadExecutor("aoffload-commit")
@@ -290,6 +319,8 @@ class EngineCore:
             self.tags.own(future)
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
+            if self.remote is not None:  # the files' uploads start from the commit thread
+                self._commits.submit(self.remote.follow(open_tag, future, latest, self.tags.own))
             self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
         return future
 
@@ -361,10 +392,31 @@ class EngineCore:
         """Load file ``name`` of committed ``tag`` on the load thread; the future of it."""
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
-        remote = in_writer(self.writer)
+        loader = in_writer(self.writer)
+        if self.remote is not None:
+            latest, known = self.catalog.latest, self.catalog.tags
+            return self._loads.submit(
+                load_either,
+                self.remote,
+                name,
+                tag,
+                latest,
+                known,
+                map_location,
+                verify,
+                loader,
+                weights_only,
+            )
         return self._loads.submit(
-            load_file, self.directory, name, tag, map_location, verify, remote, weights_only
+            load_file, self.directory, name, tag, map_location, verify, loader, weights_only
         )
+
+    def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:
+        """The future of ``tag``'s upload to the remote tier (default: the newest commit)."""
+        self.check_running()
+        if self.remote is None:
+            raise InvalidStateError("this engine has no remote tier (CheckpointEngine(remote=...))")
+        return self.remote.uploaded(None if tag is None else _format.validate_tag(tag))
 
     # -- close ---------------------------------------------------------------------------
 
@@ -422,6 +474,13 @@ class EngineCore:
         return None
 
     def _release(self, open_tags: list[OpenTag], unfinished: str | None = None) -> None:
+        try:
+            if self.remote is not None:
+                self.remote.close()  # the uploads in flight, bounded by upload_timeout
+        finally:
+            self._release_local(open_tags, unfinished)
+
+    def _release_local(self, open_tags: list[OpenTag], unfinished: str | None) -> None:
         try:
             if self._ranks is not None:
                 self._ranks.disarm(self.writer)  # an orderly close: this rank speaks itself

@@ -57,7 +57,7 @@ from ._ranks import Keys, Rendezvous, first_line
 from ._tags import OpenTag
 from .writer._calls import FileRecord, WatchRank
 
-__all__ = ["Ranks"]
+__all__ = ["Ranks", "merge_reports", "warn_differing"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def merge_reports(
     return entries, sources
 
 
-def _warn_differing(tag: str, kept: _metadata.Metadata | None, reports: list[Any]) -> None:
+def warn_differing(tag: str, kept: _metadata.Metadata | None, reports: list[Any]) -> None:
     """Rank 0: log the ranks whose commit metadata differs from rank 0's (which is kept)."""
     differ = {
         rank: keys
@@ -271,7 +271,7 @@ class Ranks:
         try:
             reports = self._meet.reports(keys)
             entries, sources = merge_reports(tag, reports, self._directory)
-            _warn_differing(tag, kept, reports)
+            warn_differing(tag, kept, reports)
 
             def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
                 published.update(files)
@@ -300,9 +300,20 @@ class Ranks:
         latest: bool,
     ) -> CommitResult:
         """Ranks but 0: wait for rank 0 to publish; take note of it."""
+        answer = self._answer(keys, open_tag, catalog)
+        kept = answer.get("metadata")
+        done = committed(catalog.directory, open_tag, records, started, answer["files"], kept)
+        catalog.record(open_tag.tag, int(answer["sequence"]), done, latest=latest)
+        catalog.forget_old()
+        self._meet.set(keys.ack(self.rank), "1")
+        return done
+
+    def _answer(self, keys: Keys, open_tag: OpenTag, catalog: Catalog) -> dict[str, Any]:
+        """Ranks but 0: rank 0's answer, once it has published ``open_tag``; raise if it
+        could not. Warns when rank 0's metadata (the one kept) differs from this rank's."""
         tag = open_tag.tag
         try:
-            answer = json.loads(self._meet.wait_for(keys.result).result())
+            answer: dict[str, Any] = json.loads(self._meet.wait_for(keys.result).result())
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {tag!r}: every rank wrote its files, but rank 0 did not say "
@@ -324,11 +335,7 @@ class Ranks:
                 differ,
                 kept,
             )
-        done = committed(catalog.directory, open_tag, records, started, answer["files"], kept)
-        catalog.record(tag, int(answer["sequence"]), done, latest=latest)
-        catalog.forget_old()
-        self._meet.set(keys.ack(self.rank), "1")
-        return done
+        return answer
 
     # -- close --------------------------------------------------------------------------
 

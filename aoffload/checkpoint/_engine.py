@@ -116,6 +116,15 @@ class CheckpointEngine(AsyncResource):
     staging with :class:`InvalidStateError` instead (the tag stays usable); ``"ignore"``
     skips the check (files you load with ``weights_only=False``). The check runs on the
     stage thread while the state is pickled; a state dict of tensors costs nothing.
+
+    ``remote=URL`` (any fsspec URL: ``s3://bucket/run``, ``gs://``, ``az://``,
+    ``file://``) adds a remote tier, reached with ``storage_options`` (passed to fsspec
+    unchanged, never logged): ``directory`` stays the fast tier, where ``commit()`` makes
+    a tag durable, and each committed tag is then uploaded in the background by an
+    uploader process (see :meth:`uploaded`). ``upload_timeout`` bounds how long
+    ``aclose()`` waits for the uploads in flight. On an empty ``directory``, ``latest()``,
+    ``tags()`` and ``load()`` see the remote tier. With ``distributed=True`` every rank
+    may use its own node-local ``directory``: no shared filesystem is needed.
     """
 
     _what = "this CheckpointEngine"
@@ -134,6 +143,9 @@ class CheckpointEngine(AsyncResource):
         distributed: bool = False,
         commit_timeout: float = 300.0,
         unloadable: Unloadable = "warn",
+        remote: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_timeout: float = 600.0,
     ) -> None:
         self._core = EngineCore(
             directory,
@@ -147,6 +159,9 @@ class CheckpointEngine(AsyncResource):
             distributed=distributed,
             commit_timeout=commit_timeout,
             unloadable=unloadable,
+            remote=remote,
+            storage_options=storage_options,
+            upload_timeout=upload_timeout,
         )
         super().__init__()
 
@@ -295,6 +310,27 @@ class CheckpointEngine(AsyncResource):
         """
         return self._core.metadata(tag)
 
+    async def uploaded(self, tag: str | None = None) -> CommitResult:
+        """Wait until checkpoint ``tag`` is published in the remote tier; its :class:`CommitResult`.
+
+        ``tag=None`` is this engine's newest commit. A tag is published remotely once every
+        file, then its manifest, then ``latest`` are uploaded (with several ranks: every
+        rank's files, then rank 0's one manifest). Awaiting is optional: the engine owns
+        every upload, and a failure nobody awaited is raised by its next call, as a failed
+        :meth:`commit_soon` is. Raises :class:`CheckpointError` saying why the upload
+        failed (retried with backoff first; with several ranks, naming the rank), the
+        commit's own error if the commit failed, :class:`InvalidStateError` for a tag this
+        engine did not commit that the remote tier does not hold, or without ``remote=``.
+        Cancelling the wait abandons the wait only.
+        """
+        self.check_running()
+        future = self._core.uploaded(tag)
+        try:
+            return await _result(future)
+        except AoffloadError:
+            self._core.tags.commit_seen(future)  # raised here: not again from the next call
+            raise
+
     # -- load ---------------------------------------------------------------------------
 
     async def load(
@@ -313,7 +349,9 @@ class CheckpointEngine(AsyncResource):
         ``weights_only=False`` is your explicit opt-in, as with ``torch.load``, for a file
         **you trust** that holds other objects (a numpy RNG state, a ``deque``):
         unpickling it can run arbitrary code. A value that the default load cannot read
-        back is flagged when it is staged (see ``unloadable``).
+        back is flagged when it is staged (see ``unloadable``). With a remote tier, a file
+        that is not in ``directory`` is downloaded by the uploader, verified against the
+        remote manifest and cached in ``directory/.remote-cache``.
         """
         super().check_running()
         return await _result(self._core.load(name, tag, map_location, verify, weights_only))

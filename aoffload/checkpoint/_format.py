@@ -119,7 +119,8 @@ def remove_tree(path: Path) -> None:
     _paths.remove(path)
 
 
-def _write_below(root: Path, relative: str, text: str, durable: bool) -> None:
+def write_below(root: Path, relative: str, text: str, durable: bool) -> None:
+    """Write ``text`` to ``root/relative`` without following a link below ``root``."""
     fd = _paths.open_file(root, relative, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         with memoryview(text.encode("utf-8")) as data:
@@ -402,7 +403,7 @@ def publish(
     }
     if metadata:
         manifest["metadata"] = dict(metadata)
-    _write_below(directory, f"{tmpdir.name}/{MANIFEST}", json.dumps(manifest, indent=1), durable)
+    write_below(directory, f"{tmpdir.name}/{MANIFEST}", json.dumps(manifest, indent=1), durable)
     if durable:
         fsync_path(tmpdir)
     folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -428,7 +429,7 @@ def point_latest(directory: Path, tag: str | None, *, durable: bool) -> None:
         else:
             pointer = f".{LATEST}.tmp"
             remove_tree(directory / pointer)  # a leftover (or a planted link) goes first
-            _write_below(directory, pointer, tag + "\n", durable)
+            write_below(directory, pointer, tag + "\n", durable)
             os.replace(pointer, LATEST, src_dir_fd=folder, dst_dir_fd=folder)
         if durable:
             os.fsync(folder)

@@ -24,7 +24,7 @@ import io
 import os
 import pickle
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -244,8 +244,13 @@ async def load_checkpoint(
     map_location: MapLocation = "cpu",
     verify: bool = True,
     weights_only: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
+
+    ``directory`` may be a remote tier's URL (``s3://bucket/run``, reached with
+    ``storage_options``): the file is then downloaded by a worker started for the call,
+    verified against the remote manifest, and loaded.
 
     ``tag=None`` reads the checkpoint ``latest`` names. The file's size and xxh3-64 are
     checked against the manifest (``verify=False`` skips that), then it is loaded with
@@ -258,6 +263,13 @@ async def load_checkpoint(
     :class:`CheckpointError` for an unknown tag or name. Cancelling the await abandons
     the wait; the load ends on its thread and its result is dropped.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from ._resume import load_url
+
+        return await run_in_thread(
+            load_url, directory, name, tag, storage_options, map_location, verify,
+            weights_only, name="aoffload-load",
+        )  # fmt: skip
     return await run_in_thread(
         load_file,
         Path(directory),
@@ -272,15 +284,25 @@ async def load_checkpoint(
 
 
 async def load_metadata(
-    directory: str | os.PathLike[str], tag: str | None = None
+    directory: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metadata committed with checkpoint ``tag`` of ``directory``, without an engine.
 
     ``tag=None`` reads the checkpoint ``latest`` names. Returns ``{}`` for a checkpoint
-    committed without metadata. The manifest is read on a thread of its own. Raises
-    :class:`CheckpointError` for an unknown tag (or none committed),
+    committed without metadata. The manifest is read on a thread of its own. ``directory``
+    may be a remote tier's URL (reached with ``storage_options``), read by a worker started
+    for the call. Raises :class:`CheckpointError` for an unknown tag (or none committed),
     :class:`CorruptCheckpointError` for an unreadable manifest.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from ._resume import metadata_url
+
+        return await run_in_thread(
+            metadata_url, directory, tag, storage_options, name="aoffload-load"
+        )
 
     def read() -> dict[str, Any]:
         _, manifest = read_manifest(Path(directory), tag)

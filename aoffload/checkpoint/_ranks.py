@@ -169,6 +169,12 @@ class Rendezvous:
             raise CheckpointError(f"rank 0 sent {type(scan).__name__} instead of its scan")
         return scan
 
+    def connect(self) -> Any:
+        """A connection of its own to the commit store, for a thread that blocks on it."""
+        if not self.address[0]:
+            raise CheckpointError("the distributed engine was never started")
+        return self._connect(*self.address)
+
     # -- the store (blocking) ----------------------------------------------------------
 
     def claim(self, key: str, value: str) -> str:
