@@ -199,6 +199,8 @@ def _watch(endpoint: S3Endpoint, url: str, stop: threading.Event, seen: list[str
             seen.append(check_complete(endpoint.objects(url)))
         except AssertionError as exc:
             seen.append(f"PARTIAL: {exc}")
+        except Exception as exc:
+            seen.append(f"ERR {exc!r}")
 
 
 async def test_a_paused_endpoint_delays_the_upload_and_latest_never_names_a_partial_tag(
