@@ -19,6 +19,7 @@ from ._errors import WorkerStartupError as WorkerStartupError
 from ._runtime.loops import run as run
 from .checkpoint import CheckpointEngine as CheckpointEngine
 from .checkpoint import CommitResult as CommitResult
+from .checkpoint import PreemptionNotice as PreemptionNotice
 from .checkpoint import Staged as Staged
 from .checkpoint import load_checkpoint as load_checkpoint
 from .optimizer import CPUAdam as CPUAdam
@@ -37,6 +38,7 @@ __all__ = (
     "CorruptCheckpointError",
     "InvalidStateError",
     "OptimizerError",
+    "PreemptionNotice",
     "RemoteError",
     "Staged",
     "StepKind",

@@ -10,6 +10,7 @@ The trainer's side, by role:
   :mod:`._staging`);
 - :mod:`._commit`: a commit, on the commit thread, and the catalog of committed tags;
   :mod:`._distributed` and :mod:`._ranks`: the same across every rank;
+- :mod:`._preemption`: the preemption notice; :mod:`._agreement`: the ranks agreeing on its step;
 - :mod:`._load`: verified loads; :mod:`._lock`: the directory lock;
 - :mod:`._format`: the on-disk format alone (no torch): manifest, ``latest``, scan,
   publish, verify; :mod:`._inspect`: what the command line shows.
@@ -21,5 +22,6 @@ from ._commit import CommitResult as CommitResult
 from ._engine import CheckpointEngine as CheckpointEngine
 from ._engine import Staged as Staged
 from ._load import load_checkpoint as load_checkpoint
+from ._preemption import PreemptionNotice as PreemptionNotice
 
-__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint")
+__all__ = ("CheckpointEngine", "CommitResult", "PreemptionNotice", "Staged", "load_checkpoint")

@@ -17,6 +17,7 @@ commit thread        one commit at a time, in request order: wait for the writes
                      every rank (:mod:`._distributed`)
 load thread          verify and load (:mod:`._load`)
 trash thread         deleting retired tags
+preemption threads   a preemption notice's announcer and watcher (:mod:`._agreement`)
 ===================  ==============================================================
 
 The tags in flight have one owner, :class:`~._tags.Tags`.
@@ -29,6 +30,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline
 from ._plan import modified
+from ._preemption import PreemptionNotice, signal_set
 from ._tags import FileJob, OpenTag, Tags
 from .writer import TARGET
 from .writer._calls import WriterConfig
@@ -110,6 +113,7 @@ class EngineCore:
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
         self._lock: _lock.DirectoryLock | None = None
+        self._notice: PreemptionNotice | None = None
         self._running = False
         self._closed = False
 
@@ -267,6 +271,28 @@ class EngineCore:
             self.tags.end_commit(open_tag, published=True)
             future.set_result(result)
 
+    # -- preemption ----------------------------------------------------------------------
+
+    @property
+    def notice(self) -> PreemptionNotice | None:
+        """The preemption notice, once :meth:`preemption` made it."""
+        return self._notice
+
+    def preemption(self, signals: Iterable[int]) -> PreemptionNotice:
+        """This engine's preemption notice, listening for ``signals`` (made on first call)."""
+        self.check_running()
+        if self._notice is not None:
+            if self._notice.signals != signal_set(signals):
+                raise InvalidStateError(
+                    f"this engine's preemption notice listens for {self._notice.signals}; "
+                    "it cannot listen for other signals"
+                )
+            return self._notice
+        notice = PreemptionNotice(signals, self._ranks.rendezvous if self._ranks else None)
+        notice.start()
+        self._notice = notice
+        return notice
+
     # -- load ----------------------------------------------------------------------------
 
     def load(
@@ -291,6 +317,8 @@ class EngineCore:
         if self._closed:
             return
         self._closed, self._running = True, False
+        if self._notice is not None:
+            self._notice.close()
         open_tags = self.tags.close()
         try:
             commits = [t.commit for t in open_tags if t.commit is not None]

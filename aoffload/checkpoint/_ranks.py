@@ -85,6 +85,8 @@ class Rendezvous:
         self.timeout = timeout
         self.run = ""
         """The run id rank 0 chose: every store key of this engine's commits starts with it."""
+        self.address: tuple[str, int] | None = None
+        """Where rank 0's store listens, once joined."""
         self._directory = directory
         self._writer = writer
         self._waiter: DaemonThreadExecutor | None = None
@@ -120,6 +122,12 @@ class Rendezvous:
         timeout = datetime.timedelta(seconds=self.timeout)
         return _TCPStore(host, port, None, False, timeout=timeout)
 
+    def connect(self) -> Any:
+        """A new connection to the store, for a thread of its own that blocks on a key."""
+        if self.address is None:
+            raise CheckpointError("the distributed engine was never started")
+        return self._connect(*self.address)
+
     def _join(self) -> _format.Scan:
         self._group = dist.new_group(backend="gloo")
         link: list[Any] = [None, None]
@@ -135,6 +143,7 @@ class Rendezvous:
             link = [(host, int(self._store.port), uuid.uuid4().hex[:12]), scan]
         dist.broadcast_object_list(link, src=0, group=self._group)
         (host, port, self.run), scan = link
+        self.address = (host, port)
         if self.rank != 0:
             self._store = self._connect(host, port)
             if self._writer:
