@@ -20,6 +20,7 @@ SECTIONS = (
     "overlap",
     "looplag",
     "distributed",
+    "preemption",
 )
 
 
@@ -129,6 +130,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _distributed
 
         _distributed.run(report, quick=args.quick)
+    elif section == "preemption":
+        from . import _preemption
+
+        _preemption.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
     elif section == "looplag":
         from . import _looplag
 
