@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" ninja
 	$(BIN)/python -m pip install --quiet --no-build-isolation "$(DEEPSPEED_PIN)" "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed]" "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed,lightning]" "$(TORCH_PIN)"
 	touch $@
 
 demo: setup

@@ -6,6 +6,9 @@ an ``await`` that ends when the work is done or the worker dies.
 
 from __future__ import annotations
 
+import importlib as _importlib
+import typing as _typing
+
 from ._errors import AoffloadError as AoffloadError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
@@ -17,14 +20,46 @@ from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
 from ._runtime.loops import run as run
-from .checkpoint import CheckpointEngine as CheckpointEngine
-from .checkpoint import CommitResult as CommitResult
-from .checkpoint import PreemptionNotice as PreemptionNotice
-from .checkpoint import Staged as Staged
-from .checkpoint import load_checkpoint as load_checkpoint
-from .optimizer import CPUAdam as CPUAdam
-from .optimizer import StepKind as StepKind
-from .optimizer import StepResult as StepResult
+
+# The names below import torch: they are imported on first use (PEP 562), so that what
+# needs none of them starts fast (the `aoffload` command: ls, verify, clean).
+if _typing.TYPE_CHECKING:
+    from .checkpoint import CheckpointEngine as CheckpointEngine
+    from .checkpoint import CommitResult as CommitResult
+    from .checkpoint import PreemptionNotice as PreemptionNotice
+    from .checkpoint import Staged as Staged
+    from .checkpoint import load_checkpoint as load_checkpoint
+    from .checkpoint import load_metadata as load_metadata
+    from .optimizer import CPUAdam as CPUAdam
+    from .optimizer import StepKind as StepKind
+    from .optimizer import StepResult as StepResult
+else:
+    _LAZY = {
+        **dict.fromkeys(
+            (
+                "CheckpointEngine",
+                "CommitResult",
+                "PreemptionNotice",
+                "Staged",
+                "load_checkpoint",
+                "load_metadata",
+            ),
+            ".checkpoint",
+        ),
+        **dict.fromkeys(("CPUAdam", "StepKind", "StepResult"), ".optimizer"),
+    }
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 
@@ -47,5 +82,6 @@ __all__ = (
     "WorkerError",
     "WorkerStartupError",
     "load_checkpoint",
+    "load_metadata",
     "run",
 )

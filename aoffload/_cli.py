@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -60,6 +61,17 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+METADATA_WIDTH = 60
+"""``ls`` shows each tag's metadata as compact JSON cut to this many characters."""
+
+
+def _metadata(metadata: dict[str, Any], width: int | None = METADATA_WIDTH) -> str:
+    text = json.dumps(metadata, separators=(", ", ": "), ensure_ascii=False)
+    if width is not None and len(text) > width:
+        return text[: width - 3] + "..."
+    return text
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -79,14 +91,18 @@ async def _ls(args: argparse.Namespace, out: TextIO) -> int:
         _say(out, f"{directory}: no committed checkpoints")
     else:
         width = max(len(info.tag) for info in infos) + 2
-        _say(out, f"{'TAG':<{width}}  {'FILES':>5}  {'BYTES':>10}  AGE")
+        shown = any(info.metadata for info in infos)
+        header = f"{'TAG':<{width}}  {'FILES':>5}  {'BYTES':>10}  {'AGE':<8}"
+        _say(out, (header + "  METADATA" if shown else header).rstrip())
         for info in infos:
             mark = " *" if info.tag == latest else ""
             if info.error is not None:
                 _say(out, f"{info.tag + mark:<{width}}  {info.error}")
                 continue
-            row = f"{len(info.files):>5}  {_size(info.bytes):>10}  {_age(info.age)}"
-            _say(out, f"{info.tag + mark:<{width}}  {row}")
+            row = f"{len(info.files):>5}  {_size(info.bytes):>10}  {_age(info.age):<8}"
+            if info.metadata:
+                row += "  " + _metadata(info.metadata)
+            _say(out, f"{info.tag + mark:<{width}}  {row}".rstrip())
         _say(out, f"* latest: {latest}")
     stale = await asyncio.to_thread(_inspect.leftovers, directory)
     if stale:
@@ -138,7 +154,9 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
     [info] = await _inspect.resolve_tags(directory, args.tag, False)
     status = EXIT_OK
     _say(out, f"{info.tag}: {len(info.files)} files, {_size(info.bytes)}")
-    for summary in await _inspect.inspect_tag(directory, info):
+    if info.metadata:
+        _say(out, f"metadata: {_metadata(info.metadata, None)}")
+    for summary in await _inspect.inspect_tag(directory, info, weights_only=args.weights_only):
         size = _size(int(info.files[summary.name]["bytes"]))
         _say(out, f"{info.tag}/{summary.name} ({size} on disk)")
         if summary.error is not None:
@@ -213,6 +231,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect = command("inspect", _inspect_cmd, "show each file's tensors and top-level keys")
     inspect.add_argument("--tag", help="the tag to inspect (default: latest)")
+    inspect.add_argument(
+        "--weights-only",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load with torch.load(weights_only=True), the default; --no-weights-only "
+        "loads any pickled object: only for files you trust (it can run arbitrary code)",
+    )
     clean = command(
         "clean", _clean, "remove leftovers of dead runs (.tmp-*, .trash-*); never a live run's"
     )

@@ -11,14 +11,16 @@ model.
 
 Which thread runs the hook? Autograd runs a CPU graph's backward, hooks included, on the
 thread that calls ``backward()``; for CUDA tensors it runs them on its own per-device
-thread. This example calls ``backward()`` in a worker thread (``asyncio.to_thread``) so
-that the event loop stays free while it runs, so here the hooks run off the loop thread;
-``CPUAdam`` is not thread-safe, so such a hook hands its submission to the loop with
-``loop.call_soon_threadsafe``. A hook that runs on the loop thread (``--backward-on-loop``)
-submits directly. The example prints which case it observed.
+thread. ``CPUAdam.submit()`` may be called from any thread, so the hook submits directly,
+wherever it runs: the step is sent at once and its result recorded when it arrives, while
+the event loop is blocked by the backward or busy elsewhere. By default this example calls
+``backward()`` on the event loop's thread, as a synchronous training step does (the loop
+does not turn until the step awaits ``drain()``); ``--backward-in-thread`` calls it in a
+worker thread (``asyncio.to_thread``) instead, so that the loop stays free. The example
+prints which thread the hooks ran on.
 
 Run: ``python examples/async_offload_step.py [--backend auto|deepspeed|torch] [--steps N]
-[--backward-on-loop]``
+[--backward-in-thread]``
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class Submitter:
         self.opt = opt
         self.masters = masters
         self.grads = [torch.zeros_like(m) for m in masters]  # registered grad buffers
-        self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self.lr = 0.01
         self.threads: set[str] = set()  # where the hooks ran: printed, not needed
@@ -57,18 +58,13 @@ class Submitter:
         """``register_post_accumulate_grad_hook``: the gradient of ``param`` is ready."""
         if param.grad is None:
             return
-        self.grads[index].copy_(param.grad)  # <- no step of this sub-group is in flight
-        param.grad = None
         if threading.get_ident() == self.loop_thread:
             self.threads.add("the event loop thread")
-            self.submit(index)
         else:
             self.threads.add(f"another thread ({threading.current_thread().name})")
-            self.loop.call_soon_threadsafe(self.submit, index)  # <- to the loop, safely
-
-    def submit(self, index: int) -> None:
-        """On the loop thread: the speculative step of one sub-group."""
-        try:
+        self.grads[index].copy_(param.grad)  # <- no step of this sub-group is in flight
+        param.grad = None
+        try:  # <- the speculative step, sent from this very thread
             self.opt.submit(0, index, self.masters[index], self.grads[index], lr=self.lr)
         except Exception as exc:  # noqa: BLE001 - re-raised by check(), never lost
             self.error = self.error or exc
@@ -79,7 +75,7 @@ class Submitter:
             raise self.error
 
 
-async def train(backend: str, steps: int, backward_on_loop: bool) -> tuple[float, float]:
+async def train(backend: str, steps: int, backward_in_thread: bool) -> tuple[float, float]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
@@ -105,11 +101,11 @@ async def train(backend: str, steps: int, backward_on_loop: bool) -> tuple[float
             out = torch.nn.functional.mse_loss(model(x), y)
             scale = float("inf") if step == OVERFLOW_AT else 1.0
             before = [m.clone() for m in masters] if step == OVERFLOW_AT else None
-            if backward_on_loop:
-                (out * scale).backward()  # hooks submit each sub-group as its grad is ready
-            else:  # the loop stays free while autograd runs; hooks go through the loop
+            if backward_in_thread:  # the loop stays free while autograd runs
                 await asyncio.to_thread((out * scale).backward)
-            submitter.check()  # every hook's submission has run on the loop by now
+            else:  # a synchronous step: the loop does not turn until drain() below
+                (out * scale).backward()  # hooks submit each sub-group as its grad is ready
+            submitter.check()  # every hook has submitted (or failed) by now
 
             overflow = not all(bool(torch.isfinite(g).all()) for g in submitter.grads)
             results = await opt.drain()  # <- the speculative steps, all finished
@@ -141,12 +137,12 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "deepspeed", "torch"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--backward-on-loop",
+        "--backward-in-thread",
         action="store_true",
-        help="call backward() on the event loop thread (it blocks the loop while it runs)",
+        help="call backward() in a worker thread (the hooks then submit from that thread)",
     )
     args = parser.parse_args()
-    first, final = aoffload.run(train(args.backend, args.steps, args.backward_on_loop))
+    first, final = aoffload.run(train(args.backend, args.steps, args.backward_in_thread))
     print(f"first loss {first:.4f} final loss {final:.4f}")
 
 

@@ -10,7 +10,10 @@ bit, as a run that was never interrupted::
     python examples/resume_offloaded.py --dir /tmp/run --steps 12               # resumes at 6
     python examples/resume_offloaded.py --dir /tmp/other --steps 12             # unbroken
 
-Each loss is printed with all 17 digits, so equal lines mean equal bits.
+Each loss is printed with all 17 digits, so equal lines mean equal bits. The training step
+is synchronous, as in any training loop: forward, backward and the submits run on the event
+loop's thread, the worker steps the sub-groups meanwhile, and ``await opt.drain()`` is the
+step's one wait.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ async def train(directory: Path, steps: int, save_every: int, kill_at: int | Non
             saved = await engine.load("model.pt")
             model.load_state_dict(saved["model"])
             await opt.load_state_dict(await engine.load("optim.pt"))
-            start = saved["step"]
+            start = engine.metadata()["step"]  # <- stored with the commit, in the manifest
             print(f"resumed from {engine.latest()}", flush=True)
 
         for step in range(start, steps):
@@ -58,17 +61,18 @@ async def train(directory: Path, steps: int, save_every: int, kill_at: int | Non
                 if param.grad is not None:
                     grads[index].copy_(param.grad)
                 opt.submit(0, index, params[index], grads[index])
-            await opt.drain()  # every sub-group stepped: the model is updated
+            # Every sub-group stepped: the model is updated. The worker writes the params in
+            # shared memory, which no version counter sees, so a checkpoint of them (below)
+            # must never overlap a step in flight: drain first, then save.
+            await opt.drain()
             print(f"step {step} loss {loss.item():.17g}", flush=True)
             if kill_at is not None and step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # <- no clean-up of any kind
             if (step + 1) % save_every == 0:
                 tag = f"step-{step + 1}"
-                await engine.save(
-                    {"model": model.state_dict(), "step": step + 1}, "model.pt", tag=tag
-                )
+                await engine.save({"model": model.state_dict()}, "model.pt", tag=tag)
                 await engine.save(await opt.state_dict(), "optim.pt", tag=tag)  # <- moments
-                await engine.commit(tag)
+                await engine.commit(tag, metadata={"step": step + 1, "loss": loss.item()})
 
 
 def main() -> None:

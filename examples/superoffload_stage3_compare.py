@@ -4,6 +4,9 @@ Trains the same small model twice for ``--steps`` steps with ZeRO stage 3 and Su
 (``offload_optimizer: {device: cpu, super_offload: true}``): once with DeepSpeed's
 ``SuperOffloadCPUOptimizer``, once after ``aoffload.deepspeed.install_superoffload(engine)``.
 Prints every loss of both runs, whether they are identical, and each run's median step time.
+Stage 3 calls ``async_step`` from its gradient hooks, on whatever thread autograd runs them
+(its own per-device thread for CUDA): aoffload's drop-in sends each step from that thread,
+straight through the optimizer's thread-safe core, with no event loop behind it.
 SuperOffload refuses any accelerator but CUDA, so without one this prints why and exits 0::
 
     python examples/superoffload_stage3_compare.py --steps 20

@@ -71,10 +71,10 @@ async def train(directory: Path, steps: int, every: int, resume: bool) -> None:
             # Verified against the manifest, loaded with weights_only=True, off the event loop.
             model.load_state_dict(await engine.load("model.pt"))
             optimizer.load_state_dict(await engine.load("optim.pt"))
-            start = int(str(engine.latest()).split("-")[1])
-            print(f"resumed from {engine.latest()}")
+            start = engine.metadata()["step"]  # <- what the commit stored in the manifest
+            print(f"resumed from {engine.latest()} (step {start})")
         staged: list[aoffload.Staged] = []
-        stall, tag = 0.0, ""
+        stall, tag, meta = 0.0, "", {}
         for step in range(start + 1, start + steps + 1):
             loss = (model(data) - data).pow(2).mean()
             optimizer.zero_grad()
@@ -85,12 +85,12 @@ async def train(directory: Path, steps: int, every: int, resume: bool) -> None:
                     await handle
                 stall += time.perf_counter() - stalled
                 staged = []
-                engine.commit_soon(tag)  # durable in the background; failures raise later
+                engine.commit_soon(tag, metadata=meta)  # durable in the background
                 report(tag, stall, directory, model, optimizer)
             optimizer.step()
             if step % every:
                 continue
-            tag = f"step-{step}"
+            tag, meta = f"step-{step}", {"step": step, "loss": loss.item()}
             stalled = time.perf_counter()
             # Returns at once: the copy overlaps the next forward and backward.
             staged = [
@@ -102,7 +102,7 @@ async def train(directory: Path, steps: int, every: int, resume: bool) -> None:
         for handle in staged:  # the last checkpoint has no next step to fence it
             await handle
         if staged:
-            engine.commit_soon(tag)
+            engine.commit_soon(tag, metadata=meta)
             report(tag, stall, directory, model, optimizer)
         if tag:
             result = await engine.commit(tag)  # the newest one's result; raises a failure

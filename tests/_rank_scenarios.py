@@ -65,6 +65,40 @@ def basics(rank: int, world: int, directory: Path, writers: int | None = None) -
     return aoffload.run(main())
 
 
+def metadata(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """Every rank commits metadata: agreeing, then rank 1's differs (rank 0's is kept)."""
+    import logging
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logger = logging.getLogger("aoffload.checkpoint._distributed")
+    handler = Collect()
+    logger.addHandler(handler)
+
+    async def main() -> dict[str, Any]:
+        async with aoffload.CheckpointEngine(directory, distributed=True) as engine:
+            await engine.save(shard(rank, 1, rows=8), f"shard-{rank}.pt", tag="same")
+            same = await engine.commit("same", metadata={"step": 1, "loss": 0.5})
+            await engine.save(shard(rank, 2, rows=8), f"shard-{rank}.pt", tag="differ")
+            differ = await engine.commit("differ", metadata={"step": 2, "loss": 0.5 + rank})
+            return {
+                "same": same.metadata,
+                "differ": differ.metadata,
+                "read": engine.metadata("differ"),
+            }
+
+    try:
+        result = aoffload.run(main())
+    finally:
+        logger.removeHandler(handler)
+    return {**result, "warnings": warnings}
+
+
 def writer_killed(rank: int, world: int, directory: Path, victim: int) -> dict[str, Any]:
     """The victim's writer is SIGKILLed mid-write; every rank recreates its engine."""
 

@@ -68,7 +68,8 @@ async def test_a_value_weights_only_refuses_is_a_checkpoint_error(
 ) -> None:
     state = {"blob": await asyncio.to_thread(os.urandom, BIG), "odd": collections.deque([1])}
     async with aoffload.CheckpointEngine(tmp_path) as writer:
-        await writer.save(state, "m.pt", tag="t")
+        with pytest.warns(UserWarning, match=r"state\['odd'\] is pickled as collections.deque"):
+            await writer.save(state, "m.pt", tag="t")  # flagged at the fence
         await writer.commit("t")
         if engine:
             with pytest.raises(
@@ -82,6 +83,10 @@ async def test_a_value_weights_only_refuses_is_a_checkpoint_error(
             aoffload.CheckpointError, match=r"(?s)weights_only=True.*collections\.deque"
         ):
             await aoffload.load_checkpoint(tmp_path, "m.pt")
+        # The caller's opt-in, for a file it trusts: loaded in the trainer, large value too.
+        loaded = await aoffload.load_checkpoint(tmp_path, "m.pt", weights_only=False)
+        assert loaded["odd"] == collections.deque([1])
+        assert loaded["blob"] == state["blob"]
 
 
 def _mapped(path: Path) -> bool:

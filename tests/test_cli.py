@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,12 +34,13 @@ async def _commit_two_tags(directory: Path) -> None:
         for step in (10, 20):
             await engine.save(state(step), "model.pt", tag=f"step-{step}")
             await engine.save([torch.ones(3, dtype=torch.float16)], "optim.pt", tag=f"step-{step}")
-            await engine.commit()
+            await engine.commit(metadata={"step": step, "loss": 0.25} if step == 20 else None)
 
 
 @pytest.fixture(scope="module")
 def committed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with two committed tags, step-10 and step-20 (latest), two files each."""
+    """A directory with two committed tags, step-10 and step-20 (latest), two files each;
+    step-20 was committed with metadata."""
     directory = tmp_path_factory.mktemp("committed") / "ckpt"
     asyncio.run(_commit_two_tags(directory))
     return directory
@@ -60,12 +62,32 @@ def test_ls_lists_tags_with_latest_marked(ckpt: Path) -> None:
     status, out = run("ls", str(ckpt))
     assert status == EXIT_OK
     lines = out.splitlines()
-    assert lines[0].split() == ["TAG", "FILES", "BYTES", "AGE"]
+    assert lines[0].split() == ["TAG", "FILES", "BYTES", "AGE", "METADATA"]
     assert lines[1].split()[:2] == ["step-10", "2"]
+    assert lines[1].endswith("ago")  # no metadata
     assert lines[2].split()[:3] == ["step-20", "*", "2"]
     assert "KiB" in lines[2]
-    assert lines[2].endswith("ago")
+    assert lines[2].endswith('ago    {"step": 20, "loss": 0.25}')  # after the padded age
     assert "1 leftover of interrupted runs" in out
+
+
+async def _commit_one(directory: Path, state: object, **options: Any) -> None:
+    metadata = options.pop("metadata", None)
+    async with aoffload.CheckpointEngine(directory, durable=False, **options) as engine:
+        await engine.save(state, "m.pt", tag="t")
+        await engine.commit(metadata=metadata)
+
+
+def test_ls_cuts_long_metadata_and_shows_no_column_without_any(tmp_path: Path) -> None:
+    asyncio.run(_commit_one(tmp_path / "plain", {"w": torch.ones(2)}))
+    lines = run("ls", str(tmp_path / "plain"))[1].splitlines()
+    assert lines[0].split() == ["TAG", "FILES", "BYTES", "AGE"]
+    asyncio.run(_commit_one(tmp_path / "long", {"w": torch.ones(2)}, metadata={"note": "x" * 200}))
+    row = run("ls", str(tmp_path / "long"))[1].splitlines()[1]
+    assert row.endswith('{"note": "' + "x" * 47 + "...")
+    status, out = run("inspect", str(tmp_path / "long"))
+    assert status == EXIT_OK
+    assert 'metadata: {"note": "' + "x" * 200 + '"}' in out
 
 
 def test_verify_passes_on_an_intact_checkpoint(ckpt: Path) -> None:
@@ -103,6 +125,8 @@ def test_verify_names_every_corrupt_and_missing_file(ckpt: Path) -> None:
 def test_inspect_shows_tensors_dtypes_bytes_and_keys(ckpt: Path) -> None:
     status, out = run("inspect", str(ckpt), "--tag", "step-10")
     assert status == EXIT_OK
+    assert "metadata" not in out
+    assert 'metadata: {"step": 20, "loss": 0.25}' in run("inspect", str(ckpt))[1]
     assert "step-10/model.pt" in out
     assert "tensors: 2, 1.0 KiB (float32 x1, int64 x1)" in out
     assert "keys: model (dict, 2 tensors), step (int), config (dict)" in out
@@ -113,6 +137,20 @@ def test_inspect_shows_tensors_dtypes_bytes_and_keys(ckpt: Path) -> None:
     assert status == EXIT_DAMAGED
     assert "ERROR could not load" in out
     assert "optim.pt" in out
+
+
+def test_inspect_loads_trusted_files_with_no_weights_only(tmp_path: Path) -> None:
+    import collections
+
+    state = {"w": torch.ones(2), "q": collections.deque([1])}
+    asyncio.run(_commit_one(tmp_path, state, unloadable="ignore"))
+    status, out = run("inspect", str(tmp_path))
+    assert status == EXIT_DAMAGED
+    assert "could not load" in out
+    assert "weights_only=True" in out
+    status, out = run("inspect", str(tmp_path), "--no-weights-only")
+    assert status == EXIT_OK, out
+    assert "keys: w (Tensor, 1 tensors), q (deque)" in out
 
 
 def test_usage_errors_exit_2(
@@ -192,6 +230,38 @@ def test_python_m_aoffload_runs_the_command_line(
     )
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
     assert "step-20: 2 files" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "torch_imported"),
+    [
+        (["--help"], False),
+        (["ls", "{ckpt}"], False),
+        (["verify", "{ckpt}", "--all"], False),
+        (["clean", "--dry-run", "{ckpt}"], False),
+        (["inspect", "{ckpt}"], True),
+    ],
+    ids=["help", "ls", "verify", "clean", "inspect"],
+)
+def test_the_command_line_imports_torch_only_for_inspect(
+    ckpt: Path, argv: list[str], torch_imported: bool
+) -> None:
+    """As the console script runs it: `from aoffload._cli import main; sys.exit(main())`."""
+    code = (
+        "import sys\n"
+        "from aoffload._cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    args = [arg.format(ckpt=ckpt) for arg in argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    assert done.stdout.splitlines()[-1] == f"torch imported: {torch_imported}"
 
 
 def test_progress_bar_only_on_a_terminal_for_large_checkpoints() -> None:

@@ -239,3 +239,36 @@ def test_install_superoffload_swaps_the_stage3_cpu_optimizer() -> None:
         assert new.max_grad_numel == 4096
     finally:
         new.close()
+
+
+def test_async_step_from_autograds_thread_and_results_on_another() -> None:
+    """Stage 3 calls async_step from gradient hooks, on autograd's thread: the step is sent
+    from that thread and its result taken on this one, with no event loop anywhere."""
+    import threading
+
+    opt = make_ours()
+    try:
+        layer = torch.nn.Linear(16, 16)
+        params = [p.detach().clone() for p in layer.parameters()]
+        grads = [torch.zeros_like(p) for p in params]
+        where: set[str] = set()
+
+        def hook(index: int, param: torch.Tensor) -> None:
+            where.add(threading.current_thread().name)
+            assert param.grad is not None
+            grads[index].copy_(param.grad)
+            opt.async_step(0, index, params[index], grads[index])
+
+        for i, p in enumerate(layer.parameters()):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: hook(i, p))
+        loss = layer(torch.randn(4, 16)).sum()
+        backward = threading.Thread(target=loss.backward, name="autograd-caller")
+        backward.start()
+        backward.join(timeout=60)
+        assert where == {"autograd-caller"}
+        results = [wait_result(opt) for _ in params]
+        assert sorted(r[reference.TaskKeys.SUB_GROUP_ID] for r in results) == [0, 1]
+        assert all(r[reference.ResultKeys.EVENT_TYPE] == "adam_step" for r in results)
+        assert opt.get_result() is None
+    finally:
+        opt.close()

@@ -6,6 +6,7 @@ a test that kills a trainer and the 4-rank test start their own.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from ._ranks import complete_tags, run_ranks
 
 SCENARIOS: list[list[Any]] = [
     ["basics", {}],
+    ["metadata", {}],
     ["writer_killed", {"victim": 1}],
     ["disk_full", {"victim": 1}],
     ["late_start", {}],
@@ -57,6 +59,25 @@ def test_every_rank_commits_one_manifest_and_agrees(two_ranks: Any) -> None:
     assert complete_tags(directory) == ["step-1", "step-2", "step-4"]
     assert (directory / "latest").read_text().strip() == "step-4"
     assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+def test_rank_0s_metadata_is_kept_and_a_difference_is_logged_by_both_sides(
+    two_ranks: Any,
+) -> None:
+    directory, results = scenario(two_ranks, "metadata")
+    for result in results:
+        assert result["same"] == {"step": 1, "loss": 0.5}
+        assert result["differ"] == result["read"] == {"step": 2, "loss": 0.5}  # rank 0's
+    manifest = json.loads((directory / "differ" / ".aoffload-manifest.json").read_text())
+    assert manifest["metadata"] == {"step": 2, "loss": 0.5}
+    [on_rank_0] = results[0]["warnings"]
+    assert "'differ'" in on_rank_0
+    assert "rank(s) [1]" in on_rank_0
+    assert "['loss']" in on_rank_0
+    [on_rank_1] = results[1]["warnings"]
+    assert "rank 1: the metadata of checkpoint 'differ' differs from rank 0's in ['loss']" in (
+        on_rank_1
+    )
 
 
 def test_a_rank_whose_loop_is_blocked_still_reports_and_commits(two_ranks: Any) -> None:

@@ -3,6 +3,8 @@ own SuperOffloadCPUOptimizer worker, on the same schedule of steps, lr changes a
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ import torch
 
 import aoffload
 from aoffload import CPUAdam
+from aoffload.optimizer._deepspeed_start import AcceleratorNoticeFilter
 
 from . import _adam_schedule as sched
 from .test_optimizer import run_schedule, steps_then_rollback
@@ -107,3 +110,35 @@ async def test_auto_picks_deepspeed_and_exact_rollback_restores_bytes() -> None:
         opt.submit(1, 9, p, g)
         [result] = await opt.drain()
         assert result.step == 1
+
+
+def test_the_accelerator_notice_is_filtered_and_nothing_else() -> None:
+    notice = (
+        "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to "
+        "detect it."
+    )
+    drop = AcceleratorNoticeFilter()
+
+    def record(level: int, message: str) -> logging.LogRecord:
+        return logging.LogRecord("DeepSpeed", level, __file__, 1, message, None, None)
+
+    assert not drop.filter(record(logging.WARNING, notice))
+    assert drop.filter(record(logging.WARNING, "Setting accelerator to something else"))
+    assert drop.filter(record(logging.WARNING, "cpu_adam: a real warning"))
+    assert drop.filter(record(logging.ERROR, notice))  # only the warning is expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed says nothing with a GPU")
+def test_a_deepspeed_worker_starts_without_the_accelerator_notice(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    async def start_and_step() -> str | None:
+        async with CPUAdam([{"lr": 0.1}], backend="deepspeed", worker_cores=None) as opt:
+            opt.submit(0, 0, torch.ones(8), torch.ones(8))
+            await opt.drain()
+            return opt.backend
+
+    backend = asyncio.run(start_and_step())  # the worker writes to this test's fds 1 and 2
+    out, err = capfd.readouterr()
+    assert backend == "deepspeed"
+    assert "Setting accelerator to CPU" not in out + err

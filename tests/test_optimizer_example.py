@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     ("flags", "hook_thread"),
-    [([], "another thread"), (["--backward-on-loop"], "the event loop thread")],
-    ids=["backward-in-thread", "backward-on-loop"],
+    [([], "the event loop thread"), (["--backward-in-thread"], "another thread")],
+    ids=["backward-on-loop", "backward-in-thread"],
 )
 def test_async_offload_step_example_runs(flags: list[str], hook_thread: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +106,12 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 # not on both like the async tests, to keep the suite fast.
 
 
-@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def _needs_deepspeed() -> list[pytest.MarkDecorator]:
+    missing = importlib.util.find_spec("deepspeed") is None
+    return [pytest.mark.deepspeed, pytest.mark.skipif(missing, reason="needs DeepSpeed")]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=_needs_deepspeed())])
 def test_resume_from_a_checkpoint_is_bit_identical(backend: str, tmp_path: Path) -> None:
     asyncio.run(resume_both_ways(backend, tmp_path))
 
@@ -139,6 +145,8 @@ async def resume_both_ways(backend: str, tmp_path: Path) -> None:
             assert_same_state(await a.state_dict(), await b.state_dict())
 
 
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
 def test_cross_backend_resume_loads_the_same_state() -> None:
     """Across backends the state round-trips exactly; the steps after it agree closely
     (the two backends' kernels round differently, so bits may differ)."""

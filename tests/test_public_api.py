@@ -25,13 +25,28 @@ def test_all_names_exist_and_are_documented() -> None:
 def test_every_public_name_is_in_all() -> None:
     public = {
         name
-        for name, obj in vars(aoffload).items()
+        for name in dir(aoffload)  # the names imported on first use too
         if not name.startswith("_")
-        and not isinstance(obj, types.ModuleType)
+        and not isinstance(getattr(aoffload, name), types.ModuleType)
         and name not in ("annotations",)
     }
     assert public == set(aoffload.__all__)
     assert isinstance(aoffload.__all__, tuple)
+
+
+def test_importing_aoffload_imports_torch_only_for_the_names_that_need_it() -> None:
+    code = (
+        "import sys, aoffload, aoffload.checkpoint; "
+        "before = 'torch' in sys.modules; "
+        "aoffload.AoffloadError, aoffload.run; "
+        "errors = 'torch' in sys.modules; "
+        "from aoffload import CheckpointEngine; "
+        "print(before, errors, 'torch' in sys.modules, CheckpointEngine.__name__); "
+        "aoffload.Missing"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False", "True", "CheckpointEngine"], out.stderr
+    assert "module 'aoffload' has no attribute 'Missing'" in out.stderr
 
 
 def test_error_tree_matches_the_contract() -> None:
@@ -52,10 +67,11 @@ def test_error_tree_matches_the_contract() -> None:
         assert issubclass(error, aoffload.AoffloadError)
 
 
-def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop() -> None:
+def test_importing_aoffload_imports_neither_deepspeed_nor_uvloop_nor_lightning() -> None:
     code = (
         "import sys, aoffload; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'uvloop')))"
+        "print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('deepspeed', 'uvloop', 'lightning')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,19 +57,25 @@ async def test_optimizer_fixture_steps_and_kill_makes_its_next_use_raise(
 
 
 @pytest.mark.deepspeed
-def test_kill_reaches_a_worker_behind_a_portal() -> None:
+def test_kill_reaches_the_core_of_a_superoffload_optimizer() -> None:
     pytest.importorskip("deepspeed")
     from aoffload.deepspeed import SuperOffloadCPUOptimizer
 
     opt = SuperOffloadCPUOptimizer(
         [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}],
-        cpuadam_cores_perc=1.0,
         backend="torch",
     )
     try:
-        asyncio.run(kill_worker(opt))
-        with pytest.raises(aoffload.WorkerDiedError):
+        pid = opt.pid
+        assert pid is not None
+        asyncio.run(kill_worker(opt))  # found by walking the adapter's attributes to its core
+        assert pid not in child_pids()
+        assert opt.pid is None
+        with pytest.raises(aoffload.WorkerDiedError) as info:  # seen already: no wait
             opt.get_result()
+        assert info.value.exitcode == -signal.SIGKILL
+        with pytest.raises(aoffload.WorkerDiedError):
+            opt.async_step(0, 0, torch.ones(8), torch.ones(8))
     finally:
         opt.close()
 

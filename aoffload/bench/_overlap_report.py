@@ -16,6 +16,8 @@ LR = float(CONFIG["lr"])
 
 SEQUENTIAL = "in-process DeepSpeedCPUAdam, after the backward (sequential)"
 SUPEROFFLOAD = "DeepSpeed SuperOffloadCPUOptimizer (driven as stage 3 drives it)"
+ADAPTER = "aoffload.deepspeed SuperOffloadCPUOptimizer (driven as stage 3 drives it)"
+BACKWARD_ALONE = "backward alone, no optimizer (time.sleep)"
 PINNED = 0.8  # DeepSpeed's cpuadam_cores_perc default
 EXACT = "aoffload CPUAdam (defaults, exact_rollback=True)"
 IDEAL = "ideal: max(t_b, t_adam) + t_adam / 16"
@@ -56,7 +58,7 @@ def report_steps(
             )
     ours = [s for s in variants if s in measured]
     rows: list[list[str]] = []
-    for system in (SEQUENTIAL, SUPEROFFLOAD, default, alternative):
+    for system in (SEQUENTIAL, SUPEROFFLOAD, ADAPTER, default, alternative):
         if system not in measured:
             continue
         row = [system]
@@ -70,6 +72,12 @@ def report_steps(
         rows.append(row)
     for t_b in BACKWARDS:
         metric = step_metric(t_b)
+        report.ratio(
+            SECTION,
+            f"{SUPEROFFLOAD} / {ADAPTER}, t_b = {t_b * 1e3:g} ms (> 1: aoffload faster)",
+            figures.get((SUPEROFFLOAD, metric)),
+            figures.get((ADAPTER, metric)),
+        )
         for system in ours:
             for anchor in (SEQUENTIAL, SUPEROFFLOAD):
                 report.ratio(
@@ -94,7 +102,7 @@ def _report_overflow(
     where = f"1 step in {OVERFLOW_EVERY} overflows, t_b = {OVERFLOW_BACKWARD * 1e3:g} ms"
     rows = []
     means: dict[str, Figure] = {}
-    for system in (SEQUENTIAL, SUPEROFFLOAD, default, EXACT):
+    for system in (SEQUENTIAL, SUPEROFFLOAD, ADAPTER, default, EXACT):
         by_metric = measured.get(system, {})
         if "mean" not in by_metric:
             continue

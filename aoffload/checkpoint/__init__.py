@@ -18,10 +18,47 @@ The trainer's side, by role:
 The writer process's side is :mod:`.writer`; nothing there imports the trainer's side.
 """
 
-from ._commit import CommitResult as CommitResult
-from ._engine import CheckpointEngine as CheckpointEngine
-from ._engine import Staged as Staged
-from ._load import load_checkpoint as load_checkpoint
-from ._preemption import PreemptionNotice as PreemptionNotice
+from __future__ import annotations
 
-__all__ = ("CheckpointEngine", "CommitResult", "PreemptionNotice", "Staged", "load_checkpoint")
+import importlib as _importlib
+import typing as _typing
+
+# Imported on first use (PEP 562): the command line reads the format (_format, _inspect)
+# without importing torch.
+if _typing.TYPE_CHECKING:
+    from ._commit import CommitResult as CommitResult
+    from ._engine import CheckpointEngine as CheckpointEngine
+    from ._engine import Staged as Staged
+    from ._load import load_checkpoint as load_checkpoint
+    from ._load import load_metadata as load_metadata
+    from ._preemption import PreemptionNotice as PreemptionNotice
+else:
+    _LAZY = {
+        "CommitResult": "._commit",
+        "CheckpointEngine": "._engine",
+        "Staged": "._engine",
+        "load_checkpoint": "._load",
+        "load_metadata": "._load",
+        "PreemptionNotice": "._preemption",
+    }
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})
+
+
+__all__ = (
+    "CheckpointEngine",
+    "CommitResult",
+    "PreemptionNotice",
+    "Staged",
+    "load_checkpoint",
+    "load_metadata",
+)

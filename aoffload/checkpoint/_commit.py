@@ -13,13 +13,14 @@ blocked.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .._errors import CheckpointError, InvalidStateError, RemoteError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
 from . import _format
+from ._metadata import Metadata
 from ._tags import OpenTag
 from .writer._calls import FileRecord, SyncTree
 
@@ -43,6 +45,8 @@ class CommitResult:
     aoffload's threads); ``write_seconds``: the writer's time serialising and fsyncing the
     files; ``commit_seconds``: from the ``commit()`` call until the tag and ``latest``
     were durable and published. A replica (``writer=False``) gets zero files.
+    ``metadata`` is the commit's metadata as stored in the manifest (rank 0's, on every
+    rank of a distributed engine); empty when the commit had none.
     """
 
     tag: str
@@ -52,6 +56,7 @@ class CommitResult:
     stage_seconds: float
     write_seconds: float
     commit_seconds: float
+    metadata: Metadata = field(default_factory=dict)
 
     @property
     def write_gb_per_second(self) -> float:
@@ -70,11 +75,13 @@ def committed(
     records: Mapping[str, FileRecord],
     started: float,
     sizes: Mapping[str, int],
+    metadata: Metadata | None,
 ) -> CommitResult:
     """The :class:`CommitResult` of ``open_tag``, published with the files in ``sizes``.
 
     ``records`` are this process's own writes (their time is ``write_seconds``);
-    ``sizes`` lists every published file, other ranks' included.
+    ``sizes`` lists every published file, other ranks' included; ``metadata`` is what
+    the manifest holds.
     """
     return CommitResult(
         tag=open_tag.tag,
@@ -84,6 +91,7 @@ def committed(
         stage_seconds=open_tag.stage_seconds,
         write_seconds=sum(record.seconds for record in records.values()),
         commit_seconds=time.perf_counter() - started,
+        metadata=metadata or {},
     )
 
 
@@ -147,9 +155,13 @@ def commit_local(
 
         def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
             sizes = {name: entry.bytes for name, entry in files.items()}
-            return committed(catalog.directory, open_tag, records, started, sizes)
+            return committed(
+                catalog.directory, open_tag, records, started, sizes, open_tag.metadata
+            )
 
-        return catalog.publish(open_tag.tmpdir, open_tag.tag, entries, result, latest=latest)
+        return catalog.publish(
+            open_tag.tmpdir, open_tag.tag, entries, result, open_tag.metadata, latest=latest
+        )
     except BaseException:
         discard(open_tag)
         raise
@@ -168,6 +180,7 @@ class Catalog:
         self.latest: str | None = None
         self.sequence = 0
         self._results: dict[str, CommitResult] = {}
+        self._metadata: dict[str, Metadata] = {}
         self._durable = durable
         self._keep_last = keep_last
         self._trash: DaemonThreadExecutor | None = None
@@ -183,11 +196,26 @@ class Catalog:
         """Take what a scan of the directory found."""
         with self._lock:
             self._tags, self.sequence, self.latest = list(scan.tags), scan.sequence, scan.latest
+            self._metadata = {tag: scan.metadata[tag] for tag in scan.tags if tag in scan.metadata}
 
     def committed(self, tag: str) -> bool:
         """Whether ``tag`` is committed (and so cannot be saved into again)."""
         with self._lock:
             return tag in self._results or tag in self._tags
+
+    def metadata(self, tag: str | None) -> Metadata:
+        """A copy of committed ``tag``'s metadata (``{}`` if it has none; ``None``: the
+        tag ``latest`` names); :class:`CheckpointError` if it is not committed."""
+        with self._lock:
+            if tag is None and self.latest is None:
+                raise CheckpointError(f"{self.directory} holds no committed checkpoint")
+            tag = self.latest if tag is None else tag
+            if tag not in self._tags:
+                known = ", ".join(self._tags) or "none"
+                raise CheckpointError(
+                    f"{self.directory} has no committed checkpoint {tag!r} (it has: {known})"
+                )
+            return copy.deepcopy(self._metadata.get(tag, {}))
 
     def result(self, tag: str) -> CommitResult | None:
         """The result of this engine's commit of ``tag``, if it made one."""
@@ -200,10 +228,12 @@ class Catalog:
         tag: str,
         files: Mapping[str, _format.FileEntry],
         result: Callable[[Mapping[str, _format.FileEntry]], CommitResult],
+        metadata: Metadata | None,
         *,
         latest: bool = True,
     ) -> CommitResult:
-        """Publish ``tmpdir`` as ``tag`` and (with ``latest``) move ``latest``; then retire.
+        """Publish ``tmpdir`` as ``tag`` (its manifest holding ``metadata``) and (with
+        ``latest``) move ``latest``; then retire.
 
         ``result(files)`` builds the :class:`CommitResult` from every published file.
         Raises :class:`CheckpointError` (``latest`` unchanged) if publishing failed.
@@ -217,6 +247,7 @@ class Catalog:
             files,
             durable=self._durable,
             latest=latest,
+            metadata=metadata,
         )
         try:
             published = publish()
@@ -249,12 +280,16 @@ class Catalog:
             if latest:
                 self.latest = tag
             self._results[tag] = done
+            if done.metadata:
+                self._metadata[tag] = copy.deepcopy(done.metadata)
 
     def forget_old(self) -> None:
         """Apply ``keep_last`` to this view only (rank 0 deletes the tags themselves)."""
         with self._lock:
             while self._keep_last is not None and len(self._tags) > self._keep_last:
-                self._results.pop(self._tags.pop(0), None)
+                tag = self._tags.pop(0)
+                self._results.pop(tag, None)
+                self._metadata.pop(tag, None)
 
     def _retire(self) -> None:
         while True:
@@ -263,18 +298,68 @@ class Catalog:
                     return
                 tag = self._tags.pop(0)
                 self._results.pop(tag, None)
+                self._metadata.pop(tag, None)
             try:
-                trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+                self._delete(tag)
             except OSError:
                 logger.exception("retention could not delete checkpoint %r; left in place", tag)
-                continue
-            # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
-            # close() waits for it.
-            if self._trash is None:
-                self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
-            deletion = self._trash.submit(_format.remove_tree, trash)
-            self._deletions.add(deletion)
-            deletion.add_done_callback(self._deleted)
+
+    def _delete(self, tag: str) -> None:
+        """Rename ``tag`` out of the listing, then delete it in the background."""
+        trash = _format.retire(self.directory, tag, uuid.uuid4().hex[:8])
+        # Deleting GiBs takes a while: on a thread of its own, off the commit's path;
+        # close() waits for it.
+        if self._trash is None:
+            self._trash = DaemonThreadExecutor("aoffload-checkpoint-trash")
+        deletion = self._trash.submit(_format.remove_tree, trash)
+        self._deletions.add(deletion)
+        deletion.add_done_callback(self._deleted)
+
+    def remove_after(
+        self,
+        tag: str,
+        earlier: list[concurrent.futures.Future[Any]],
+        before: Callable[[], None] | None,
+    ) -> bool:
+        """:meth:`remove` ``tag`` unless one of the ``earlier`` commits (ended by now: the
+        commit thread runs this after them) failed; ``before()`` runs first."""
+        failed = [f.exception() for f in earlier if f.done() and f.exception() is not None]
+        if failed:
+            logger.warning("checkpoint %r is kept: a newer commit failed (%s)", tag, failed[0])
+            return False
+        if not self.committed(tag):
+            return False
+        if before is not None:
+            before()
+        return self.remove(tag)
+
+    def remove(self, tag: str) -> bool:
+        """Delete committed ``tag`` now (the commit thread); whether it was committed.
+
+        Where ``latest`` names it, ``latest`` first moves (atomically) to the newest other
+        committed tag, or goes: it never names a tag being deleted.
+        """
+        with self._lock:
+            if tag not in self._tags:
+                return False
+            self._tags.remove(tag)
+            self._results.pop(tag, None)
+            self._metadata.pop(tag, None)
+            moved = self.latest == tag
+            if moved:
+                self.latest = self._tags[-1] if self._tags else None
+        if moved:
+            pointer = self.directory / _format.LATEST
+            if self.latest is None:
+                pointer.unlink(missing_ok=True)
+            else:
+                temporary = self.directory / f".{_format.LATEST}.tmp"
+                _format.write_text(temporary, self.latest + "\n", self._durable)
+                temporary.replace(pointer)
+            if self._durable:
+                _format.fsync_path(self.directory)
+        self._delete(tag)
+        return True
 
     def _deleted(self, deletion: concurrent.futures.Future[None]) -> None:
         self._deletions.discard(deletion)

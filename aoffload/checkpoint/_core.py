@@ -30,18 +30,19 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError, ClosedError, InvalidStateError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
-from . import _format, _lock
+from . import _format, _lock, _metadata
 from ._commit import Catalog, CommitResult, commit_local
 from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
-from ._pipeline import Pipeline
+from ._pipeline import Pipeline, Unloadable
 from ._plan import modified
 from ._preemption import PreemptionNotice, signal_set
 from ._tags import FileJob, OpenTag, Tags
@@ -88,13 +89,17 @@ class EngineCore:
         direct_io: bool = True,
         distributed: bool = False,
         commit_timeout: float = 300.0,
+        unloadable: Unloadable = "warn",
     ) -> None:
+        if unloadable not in ("warn", "error", "ignore"):
+            raise ValueError(f"unloadable must be 'warn', 'error' or 'ignore', not {unloadable!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
         self.directory = Path(directory)
         self._start_timeout = start_timeout
+        self._unloadable: Unloadable = unloadable
         self._close_timeout = close_timeout
         config = WriterConfig(durable=durable, direct_io=direct_io)
         self.writer = (
@@ -142,7 +147,7 @@ class EngineCore:
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
                 self.writer.start(self._start_timeout)
-                self._pipeline = Pipeline(self.tags, self.writer)
+                self._pipeline = Pipeline(self.tags, self.writer, self._unloadable)
         except BaseException:
             self.close()
             raise
@@ -188,7 +193,8 @@ class EngineCore:
         that awaits the fence has finished all of its own. So a counter that moved by now
         fails the file (whether the modification overlapped the copy or followed it, which
         nobody can tell apart), and its tag can no longer be published: it is discarded.
-        Idempotent; raises what the staging raised.
+        Idempotent; raises what the staging raised. Warns (once) when the file holds a
+        value that the default load cannot read back (``unloadable="warn"``).
         """
         job.staged.result()
         if job.sealed is not False:
@@ -199,6 +205,13 @@ class EngineCore:
         moved = None if planned is None else modified(planned)
         if moved is None:
             job.sealed = True
+            if planned is not None and planned.unloadable is not None:
+                warnings.warn(
+                    f"{planned.unloadable}. CheckpointEngine(unloadable='error') makes this "
+                    "an error, unloadable='ignore' silences it",
+                    UserWarning,
+                    stacklevel=3,
+                )
             return
         key, before, after = moved
         error = CheckpointError(
@@ -213,27 +226,40 @@ class EngineCore:
                 self.tags.commit_seen(self._start_commit(job.open_tag.tag, True))
         raise error
 
-    def commit(self, tag: str | None = None, latest: bool = True) -> concurrent.futures.Future[Any]:
+    def commit(
+        self, tag: str | None = None, latest: bool = True, metadata: object = None
+    ) -> concurrent.futures.Future[Any]:
         """Start (or find) the commit of ``tag``; the future of its :class:`CommitResult`.
 
         The engine owns the commit: a failure nobody sees through the future is raised by
         the engine's next call (:meth:`Tags.raise_background`). Raises at once what makes
-        the commit impossible (:class:`InvalidStateError`: nothing saved; a dead writer).
+        the commit impossible (:class:`InvalidStateError`: nothing saved, ``metadata``
+        that JSON cannot hold; a dead writer).
         """
         self.tags.raise_background()
         self.check_running()
-        return self._start_commit(tag, latest)
+        return self._start_commit(tag, latest, _metadata.validate(metadata))
 
-    def _start_commit(self, tag: str | None, latest: bool) -> concurrent.futures.Future[Any]:
+    def _start_commit(
+        self, tag: str | None, latest: bool, metadata: _metadata.Metadata | None = None
+    ) -> concurrent.futures.Future[Any]:
         if tag is not None:
             tag = _format.validate_tag(tag)
             done = self.catalog.result(tag)
             if done is not None:
+                if metadata is not None and metadata != done.metadata:
+                    raise InvalidStateError(
+                        f"checkpoint {tag!r} was committed with metadata {done.metadata!r}; "
+                        "a later commit() of it cannot change that"
+                    )
                 return _done(done)
         if self.writer is None and self._ranks is None:
             named = tag or ""
-            return _done(CommitResult(named, self.directory / named, (), 0, 0.0, 0.0, 0.0))
-        open_tag, started = self.tags.begin_commit(tag, empty_ok=self._ranks is not None)
+            path = self.directory / named
+            return _done(CommitResult(named, path, (), 0, 0.0, 0.0, 0.0, metadata or {}))
+        open_tag, started = self.tags.begin_commit(
+            tag, empty_ok=self._ranks is not None, metadata=metadata
+        )
         future = open_tag.commit
         if future is None:  # pragma: no cover - begin_commit always sets it
             raise RuntimeError("a commit without a future")
@@ -271,6 +297,34 @@ class EngineCore:
             self.tags.end_commit(open_tag, published=True)
             future.set_result(result)
 
+    def metadata(self, tag: str | None = None) -> _metadata.Metadata:
+        """A copy of committed ``tag``'s metadata (default: the tag ``latest`` names).
+
+        Read from what the engine knows (the manifests it scanned at start, its own
+        commits): no I/O. ``{}`` for a tag committed without metadata; raises
+        :class:`CheckpointError` when ``tag`` is not committed or nothing is.
+        """
+        return self.catalog.metadata(None if tag is None else _format.validate_tag(tag))
+
+    def remove(
+        self, tag: str, before: Callable[[], None] | None = None
+    ) -> concurrent.futures.Future[bool]:
+        """Delete committed ``tag`` once the commits requested before this call have ended.
+
+        Runs on the commit thread, after those commits: a checkpoint is deleted only
+        once the newer ones are durable. If one of them failed, ``tag`` is kept (logged
+        at WARNING) and the future resolves to ``False``; likewise when ``tag`` is not
+        committed. ``before()`` runs on the commit thread just before the deletion. Where
+        ``latest`` names ``tag``, it moves to the newest other tag first.
+        """
+        self.tags.raise_background()
+        self.check_running()
+        tag = _format.validate_tag(tag)
+        if self._commits is None:
+            raise ClosedError("the checkpoint engine is not running")
+        earlier = self.tags.commits()
+        return self._commits.submit(self.catalog.remove_after, tag, earlier, before)
+
     # -- preemption ----------------------------------------------------------------------
 
     @property
@@ -296,14 +350,19 @@ class EngineCore:
     # -- load ----------------------------------------------------------------------------
 
     def load(
-        self, name: str, tag: str | None, map_location: MapLocation, verify: bool
+        self,
+        name: str,
+        tag: str | None,
+        map_location: MapLocation,
+        verify: bool,
+        weights_only: bool = True,
     ) -> concurrent.futures.Future[Any]:
         """Load file ``name`` of committed ``tag`` on the load thread; the future of it."""
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
         remote = in_writer(self.writer)
         return self._loads.submit(
-            load_file, self.directory, name, tag, map_location, verify, remote
+            load_file, self.directory, name, tag, map_location, verify, remote, weights_only
         )
 
     # -- close ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from .._errors import CheckpointError, WorkerDiedError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
-from . import _format
+from . import _format, _metadata
 from ._commit import Catalog, CommitResult, committed, discard, written
 from ._ranks import Keys, Rendezvous, first_line
 from ._tags import OpenTag
@@ -92,6 +92,23 @@ def merge_reports(
         if rank != 0 and report["files"]:
             sources[directory / report["dir"]] = list(report["files"])
     return entries, sources
+
+
+def _warn_differing(tag: str, kept: _metadata.Metadata | None, reports: list[Any]) -> None:
+    """Rank 0: log the ranks whose commit metadata differs from rank 0's (which is kept)."""
+    differ = {
+        rank: keys
+        for rank, report in enumerate(reports)
+        if (keys := _metadata.differing(kept, report.get("metadata")))
+    }
+    if differ:
+        logger.warning(
+            "checkpoint %r: the commit metadata of rank(s) %s differs from rank 0's (keys: "
+            "%s); rank 0's is kept. Pass the same metadata to commit() on every rank",
+            tag,
+            sorted(differ),
+            sorted(set().union(*differ.values())),
+        )
 
 
 class Ranks:
@@ -174,7 +191,12 @@ class Ranks:
                 raise error
         files = {n: [r.nbytes, r.xxh3_64, r.seconds] for n, r in own.result().items()}
         report = json.dumps(
-            {"tag": open_tag.tag, "dir": open_tag.tmpdir.name if files else "", "files": files}
+            {
+                "tag": open_tag.tag,
+                "dir": open_tag.tmpdir.name if files else "",
+                "files": files,
+                "metadata": open_tag.metadata,
+            }
         )
         try:
             if self._meet.report(keys, report):  # the last report: every rank's files are durable
@@ -226,21 +248,26 @@ class Ranks:
         """Rank 0: gather every rank's files, publish the tag, tell the others."""
         tag = open_tag.tag
         published: dict[str, _format.FileEntry] = {}
+        kept = open_tag.metadata
         try:
-            entries, sources = merge_reports(tag, self._meet.reports(keys), self._directory)
+            reports = self._meet.reports(keys)
+            entries, sources = merge_reports(tag, reports, self._directory)
+            _warn_differing(tag, kept, reports)
 
             def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
                 published.update(files)
                 sizes = {name: entry.bytes for name, entry in files.items()}
-                return committed(catalog.directory, open_tag, records, started, sizes)
+                return committed(catalog.directory, open_tag, records, started, sizes, kept)
 
             _format.gather(open_tag.tmpdir, sources, durable=self._durable)
-            done = catalog.publish(open_tag.tmpdir, tag, entries, result, latest=latest)
+            done = catalog.publish(open_tag.tmpdir, tag, entries, result, kept, latest=latest)
         except BaseException as exc:
             self._meet.set(keys.result, json.dumps({"ok": False, "error": first_line(exc)}))
             raise
         sizes = {name: entry.bytes for name, entry in published.items()}
-        answer = json.dumps({"ok": True, "sequence": catalog.sequence, "files": sizes})
+        answer = json.dumps(
+            {"ok": True, "sequence": catalog.sequence, "files": sizes, "metadata": kept}
+        )
         self._meet.announce(keys, answer)
         return done
 
@@ -267,7 +294,18 @@ class Ranks:
                 f"checkpoint {tag!r}: rank 0 could not publish it: {answer['error']}; "
                 f"{_format.LATEST!r} still names {catalog.latest!r}"
             )
-        done = committed(catalog.directory, open_tag, records, started, answer["files"])
+        kept = answer.get("metadata")
+        differ = _metadata.differing(kept, open_tag.metadata)
+        if differ:
+            logger.warning(
+                "rank %d: the metadata of checkpoint %r differs from rank 0's in %s; rank "
+                "0's is kept: %r",
+                self.rank,
+                tag,
+                differ,
+                kept,
+            )
+        done = committed(catalog.directory, open_tag, records, started, answer["files"], kept)
         catalog.record(tag, int(answer["sequence"]), done, latest=latest)
         catalog.forget_old()
         self._meet.set(keys.ack(self.rank), "1")

@@ -16,7 +16,7 @@ import concurrent.futures
 import contextlib
 import os
 import signal
-from collections.abc import Coroutine, Generator, Iterable
+from collections.abc import Coroutine, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from .._runtime.threads import run_in_thread
 from ._commit import CommitResult
 from ._core import EngineCore
 from ._load import MapLocation
+from ._pipeline import Unloadable
 from ._preemption import PreemptionNotice
 from ._tags import FileJob
 
@@ -108,6 +109,14 @@ class CheckpointEngine(AsyncResource):
     job (see :mod:`._distributed`): ``start()`` and ``commit()`` are collectives, each
     rank saves its own files, and ``commit_timeout`` bounds the wait for a rank whose
     writer never reports (a blocked event loop never counts: reports come from a thread).
+
+    ``unloadable`` says what to do with a staged value that the default
+    ``load(weights_only=True)`` could not read back (``np.random.get_state()``, a
+    ``collections.deque``, an instance of your own class): ``"warn"`` (the default) warns
+    at the fence (``await staged``), naming the file and the key; ``"error"`` fails that
+    staging with :class:`InvalidStateError` instead (the tag stays usable); ``"ignore"``
+    skips the check (files you load with ``weights_only=False``). The check runs on the
+    stage thread while the state is pickled; a state dict of tensors costs nothing.
     """
 
     _what = "this CheckpointEngine"
@@ -125,6 +134,7 @@ class CheckpointEngine(AsyncResource):
         direct_io: bool = True,
         distributed: bool = False,
         commit_timeout: float = 300.0,
+        unloadable: Unloadable = "warn",
     ) -> None:
         self._core = EngineCore(
             directory,
@@ -137,6 +147,7 @@ class CheckpointEngine(AsyncResource):
             direct_io=direct_io,
             distributed=distributed,
             commit_timeout=commit_timeout,
+            unloadable=unloadable,
         )
         super().__init__()
 
@@ -215,14 +226,21 @@ class CheckpointEngine(AsyncResource):
     # -- commit -------------------------------------------------------------------------
 
     def commit(
-        self, tag: str | None = None, *, latest: bool = True
+        self,
+        tag: str | None = None,
+        *,
+        latest: bool = True,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Coroutine[Any, Any, CommitResult]:
         """Make checkpoint ``tag`` durable and publish it (and ``latest``); see :mod:`._format`.
 
         The commit starts when this is *called* (so ``asyncio.create_task(engine.commit(t))``
         has started it before the task first runs) and runs on the engine's commit thread;
         the returned coroutine waits for it. ``tag=None`` commits the single open tag;
-        ``latest=False`` publishes the tag without moving ``latest``. It first waits for
+        ``latest=False`` publishes the tag without moving ``latest``. ``metadata`` (a
+        mapping of JSON values: the step, a loss, the data position; at most 64 KiB) is
+        stored in the tag's manifest, as the mapping is at this call; :meth:`metadata`,
+        :func:`aoffload.load_metadata` and ``aoffload ls`` read it back. It first waits for
         the tag's staging. Cancelling the wait abandons the wait only: the commit goes on,
         a later ``commit(tag)`` returns its result, and a failure nobody sees is raised by
         the engine's next call. Raises :class:`InvalidStateError` when nothing was saved
@@ -231,10 +249,13 @@ class CheckpointEngine(AsyncResource):
         the writer died. With ``distributed=True`` every rank calls it with the same tags
         in the same order; a rank that saved nothing under ``tag`` takes part with no
         files, and a failure on any rank raises on every rank (:class:`CheckpointError`
-        naming it).
+        naming it). Every rank should pass the same ``metadata``: rank 0's is stored, and
+        a difference is logged at WARNING (by rank 0, naming the ranks and keys, and by
+        each rank that differs). Raises :class:`InvalidStateError` here, at the call, for
+        metadata that JSON cannot hold (naming the key) or that is too large.
         """
         self.check_running()
-        return self._wait_commit(self._core.commit(tag, latest))
+        return self._wait_commit(self._core.commit(tag, latest, metadata))
 
     async def _wait_commit(self, future: concurrent.futures.Future[CommitResult]) -> CommitResult:
         try:
@@ -243,17 +264,29 @@ class CheckpointEngine(AsyncResource):
             self._core.tags.commit_seen(future)  # raised here: not again from the next call
             raise
 
-    def commit_soon(self, tag: str | None = None) -> None:
+    def commit_soon(
+        self, tag: str | None = None, *, metadata: Mapping[str, Any] | None = None
+    ) -> None:
         """Commit ``tag`` in the background; the engine owns the commit. Returns at once.
 
         Use it where the trainer does not await the commit: it runs on the commit thread
         whether or not the event loop turns; a later :meth:`stage` waits for room
         (``max_pending``) while it runs; its failure is raised from the engine's next
         :meth:`stage`, :meth:`save`, :meth:`commit` or ``aclose()``; ``commit(tag)``
-        returns its result. Raises what :meth:`commit` raises before it starts.
+        returns its result. ``metadata`` is stored as with :meth:`commit`. Raises what
+        :meth:`commit` raises before it starts.
         """
         self.check_running()
-        self._core.commit(tag, True)
+        self._core.commit(tag, True, metadata)
+
+    def metadata(self, tag: str | None = None) -> dict[str, Any]:
+        """The metadata committed with ``tag`` (default: the tag ``latest`` names).
+
+        A copy, read from what the engine knows (the manifests found at start and its own
+        commits), so it returns at once. ``{}`` for a tag committed without metadata.
+        Raises :class:`CheckpointError` when ``tag`` is not committed (or nothing is).
+        """
+        return self._core.metadata(tag)
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -283,11 +316,16 @@ class CheckpointEngine(AsyncResource):
         tag: str | None = None,
         map_location: MapLocation = "cpu",
         verify: bool = True,
+        weights_only: bool = True,
     ) -> Any:
         """Load file ``name`` of committed checkpoint ``tag`` (default: the newest).
 
         Verified against the manifest (``CorruptCheckpointError`` naming the file on a
         mismatch), loaded with ``weights_only=True`` on the engine's load thread.
+        ``weights_only=False`` is your explicit opt-in, as with ``torch.load``, for a file
+        **you trust** that holds other objects (a numpy RNG state, a ``deque``):
+        unpickling it can run arbitrary code. A value that the default load cannot read
+        back is flagged when it is staged (see ``unloadable``).
         """
         super().check_running()
-        return await _result(self._core.load(name, tag, map_location, verify))
+        return await _result(self._core.load(name, tag, map_location, verify, weights_only))

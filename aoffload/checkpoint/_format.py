@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -145,11 +145,13 @@ def _parse_manifest(path: Path, text: str) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """What a directory holds: committed tags (oldest first), their last sequence, ``latest``."""
+    """What a directory holds: committed tags (oldest first), their last sequence, ``latest``,
+    and each tag's commit metadata (a tag committed without any has none here)."""
 
     tags: list[str]
     sequence: int
     latest: str | None
+    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def scan(directory: Path, *, clean: bool) -> Scan:
@@ -157,6 +159,7 @@ def scan(directory: Path, *, clean: bool) -> Scan:
     if not directory.is_dir():
         return Scan([], 0, None)
     found: list[tuple[int, str]] = []
+    metadata: dict[str, dict[str, Any]] = {}
     for entry in os.listdir(directory):
         path = directory / entry
         if entry.startswith((TMP_PREFIX, TRASH_PREFIX)):
@@ -168,8 +171,11 @@ def scan(directory: Path, *, clean: bool) -> Scan:
             continue
         manifest = _parse_manifest(manifest_path, manifest_path.read_text(encoding="utf-8"))
         found.append((int(manifest["sequence"]), entry))
+        if manifest.get("metadata"):
+            metadata[entry] = manifest["metadata"]
     found.sort()
-    return Scan([tag for _, tag in found], found[-1][0] if found else 0, read_latest(directory))
+    tags = [tag for _, tag in found]
+    return Scan(tags, found[-1][0] if found else 0, read_latest(directory), metadata)
 
 
 def digest(path: Path) -> FileEntry:
@@ -258,11 +264,13 @@ def publish(
     *,
     durable: bool,
     latest: bool = True,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, FileEntry]:
     """Write the manifest last, rename the tag into place, then move ``latest`` (atomically).
 
     Files already in an uncommitted ``directory/tag`` are published too (:func:`adopt`).
-    ``latest=False`` leaves the ``latest`` pointer alone. Returns every published file.
+    ``latest=False`` leaves the ``latest`` pointer alone. ``metadata`` (the commit's, JSON)
+    is kept in the manifest. Returns every published file.
     """
     tmpdir.mkdir(exist_ok=True)
     everything = dict(files)
@@ -274,6 +282,8 @@ def publish(
         "created": time.time(),
         "files": {n: {"bytes": e.bytes, "xxh3_64": e.xxh3_64} for n, e in everything.items()},
     }
+    if metadata:
+        manifest["metadata"] = dict(metadata)
     write_text(tmpdir / MANIFEST, json.dumps(manifest, indent=1), durable)
     if durable:
         fsync_path(tmpdir)

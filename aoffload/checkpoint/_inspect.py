@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import _format, _lock
 
@@ -38,13 +36,15 @@ _LATEST_TMP = f".{_format.LATEST}.tmp"  # the pointer being replaced (see _forma
 
 @dataclass(frozen=True, slots=True)
 class TagInfo:
-    """One committed tag as its manifest describes it (``error`` if the manifest is bad)."""
+    """One committed tag as its manifest describes it (``error`` if the manifest is bad),
+    with its commit metadata (``{}`` if none)."""
 
     tag: str
     sequence: int
     files: dict[str, Any]
     created: float | None
     error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -76,6 +76,7 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
                     int(manifest["sequence"]),
                     dict(manifest["files"]),
                     float(manifest["created"]),
+                    metadata=dict(manifest.get("metadata") or {}),
                 )
             )
         except (CorruptCheckpointError, KeyError, TypeError, ValueError) as exc:
@@ -157,6 +158,8 @@ class FileSummary:
 
 def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, str]:
     """Count the tensors under ``value`` (into ``summary``); return (count, kind)."""
+    import torch  # inspect alone needs torch: ls, verify and clean start without it
+
     count = 0
     stack = [value]
     while stack:
@@ -174,12 +177,14 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
     return count, type(value).__name__
 
 
-def _summarise(path: Path, name: str) -> FileSummary:
+def _summarise(path: Path, name: str, weights_only: bool) -> FileSummary:
+    import torch
+
     summary = FileSummary(name)
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     except Exception as exc:  # noqa: BLE001 - reported per file; the command exits non-zero
-        summary.error = f"could not load {path} with weights_only=True: {exc}"
+        summary.error = f"could not load {path} with weights_only={weights_only}: {exc}"
         return summary
     _describe(loaded, summary)
     summary.top = type(loaded).__name__
@@ -190,10 +195,13 @@ def _summarise(path: Path, name: str) -> FileSummary:
     return summary
 
 
-async def inspect_tag(directory: Path, info: TagInfo) -> list[FileSummary]:
-    """A :class:`FileSummary` of every file of ``info``, each loaded off the event loop."""
+async def inspect_tag(
+    directory: Path, info: TagInfo, *, weights_only: bool = True
+) -> list[FileSummary]:
+    """A :class:`FileSummary` of every file of ``info``, each loaded off the event loop
+    (``weights_only=False``: the caller trusts the files)."""
     return [
-        await asyncio.to_thread(_summarise, directory / info.tag / name, name)
+        await asyncio.to_thread(_summarise, directory / info.tag / name, name, weights_only)
         for name in info.files
     ]
 

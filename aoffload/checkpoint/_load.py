@@ -38,7 +38,16 @@ from .writer import TARGET
 from .writer._calls import LoadedFile, LoadFile, WriterConfig
 from .writer._loader import unlink_all
 
-__all__ = ["MapLocation", "Remote", "in_writer", "load_checkpoint", "load_file", "rebuild"]
+__all__ = [
+    "MapLocation",
+    "Remote",
+    "in_writer",
+    "load_checkpoint",
+    "load_file",
+    "load_metadata",
+    "read_manifest",
+    "rebuild",
+]
 
 MapLocation = str | torch.device | dict[str, str] | Callable[..., Any] | None
 
@@ -124,15 +133,25 @@ def _verify(path: Path, entry: dict[str, Any], verify: bool) -> int:
         raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
 
 
-def _torch_load(path: Path, map_location: MapLocation) -> Any:
+def _cannot_load(path: Path, weights_only: bool, why: object) -> CheckpointError:
+    if not weights_only:
+        return CheckpointError(f"could not load {path} with weights_only=False: {why}")
+    return CheckpointError(
+        f"could not load {path} with weights_only=True: {why}. If you trust this file, "
+        "load it with weights_only=False (it runs the file's pickled code), or allow the "
+        "global it names with torch.serialization.add_safe_globals([...])"
+    )
+
+
+def _torch_load(path: Path, map_location: MapLocation, weights_only: bool = True) -> Any:
     try:
         # mmap: tensors map the file's pages instead of being read into fresh memory
         # under the GIL (170 ms of loop lag for 256 MiB without it).
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{path}: listed in the manifest but missing") from exc
     except Exception as exc:
-        raise CheckpointError(f"could not load {path} with weights_only=True: {exc}") from exc
+        raise _cannot_load(path, weights_only, exc) from exc
 
 
 def _on_cpu(map_location: MapLocation) -> bool:
@@ -171,16 +190,8 @@ def in_writer(writer: WorkerCore | None) -> Remote:
     return remote
 
 
-def load_file(
-    directory: Path,
-    name: str,
-    tag: str | None,
-    map_location: MapLocation,
-    verify: bool,
-    remote: Remote = temporary_loader,
-) -> Any:
-    """Load file ``name`` of committed ``tag`` (default: ``latest``), verified (blocking)."""
-    name = _format.validate_name(name)
+def read_manifest(directory: Path, tag: str | None) -> tuple[str, dict[str, Any]]:
+    """Committed ``tag`` (default: the one ``latest`` names) and its manifest (blocking)."""
     if tag is None:
         tag = _format.read_latest(directory)
         if tag is None:
@@ -189,9 +200,27 @@ def load_file(
             )
     tag = _format.validate_tag(tag)
     try:
-        manifest = _format.read_manifest(directory / tag / _format.MANIFEST)
+        return tag, _format.read_manifest(directory / tag / _format.MANIFEST)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{directory} has no committed checkpoint {tag!r}") from exc
+
+
+def load_file(
+    directory: Path,
+    name: str,
+    tag: str | None,
+    map_location: MapLocation,
+    verify: bool,
+    remote: Remote = temporary_loader,
+    weights_only: bool = True,
+) -> Any:
+    """Load file ``name`` of committed ``tag`` (default: ``latest``), verified (blocking).
+
+    ``weights_only=False`` (the caller's opt-in, for trusted files) loads with torch's own
+    unpickler, always here: the file's classes must be importable in this process.
+    """
+    name = _format.validate_name(name)
+    tag, manifest = read_manifest(directory, tag)
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(
@@ -199,15 +228,13 @@ def load_file(
         )
     path = directory / tag / name
     pickled = _verify(path, entry, verify)
-    if pickled < REMOTE_PICKLE or not _on_cpu(map_location):
-        return _torch_load(path, map_location)
+    if pickled < REMOTE_PICKLE or not _on_cpu(map_location) or not weights_only:
+        return _torch_load(path, map_location, weights_only)
     try:
         call = LoadFile(str(path), tuple(torch.serialization.get_safe_globals()))
         return remote(call, lambda loaded: rebuild(path, loaded))
     except RemoteError as exc:
-        raise CheckpointError(
-            f"could not load {path} with weights_only=True: {exc.remote_message}"
-        ) from exc
+        raise _cannot_load(path, True, exc.remote_message) from exc
 
 
 async def load_checkpoint(
@@ -217,6 +244,7 @@ async def load_checkpoint(
     *,
     map_location: MapLocation = "cpu",
     verify: bool = True,
+    weights_only: bool = True,
 ) -> Any:
     """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
 
@@ -224,11 +252,42 @@ async def load_checkpoint(
     checked against the manifest (``verify=False`` skips that), then it is loaded with
     ``torch.load(..., weights_only=True, map_location=map_location)`` on a thread of its
     own (in a worker process started for the call when the file holds large non-tensor
-    values, so that unpickling them does not stall the loop). Raises
+    values, so that unpickling them does not stall the loop). ``weights_only=False`` is
+    your explicit opt-in, as with ``torch.load``, for a file **you trust** that holds
+    other objects (a numpy RNG state): unpickling it can run arbitrary code. Raises
     :class:`CorruptCheckpointError` naming the file on a mismatch or a missing file, and
     :class:`CheckpointError` for an unknown tag or name. Cancelling the await abandons
     the wait; the load ends on its thread and its result is dropped.
     """
     return await run_in_thread(
-        load_file, Path(directory), name, tag, map_location, verify, name="aoffload-load"
+        load_file,
+        Path(directory),
+        name,
+        tag,
+        map_location,
+        verify,
+        temporary_loader,
+        weights_only,
+        name="aoffload-load",
     )
+
+
+async def load_metadata(
+    directory: str | os.PathLike[str], tag: str | None = None
+) -> dict[str, Any]:
+    """The metadata committed with checkpoint ``tag`` of ``directory``, without an engine.
+
+    ``tag=None`` reads the checkpoint ``latest`` names. Returns ``{}`` for a checkpoint
+    committed without metadata. The manifest is read on a thread of its own. Raises
+    :class:`CheckpointError` for an unknown tag (or none committed),
+    :class:`CorruptCheckpointError` for an unreadable manifest.
+    """
+
+    def read() -> dict[str, Any]:
+        _, manifest = read_manifest(Path(directory), tag)
+        metadata = manifest.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise CorruptCheckpointError(f"{directory}: the manifest's metadata is not a mapping")
+        return metadata
+
+    return await run_in_thread(read, name="aoffload-load")

@@ -4,7 +4,9 @@
 before it returns (each tensor's version counter, an event on each CUDA device's current
 stream) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
 
-1. plans the state (:func:`._plan.plan`: the pickled skeleton, the tensors' layout);
+1. plans the state (:func:`._plan.plan`: the pickled skeleton, the tensors' layout,
+   and a value the default load could not read back: an error with
+   ``unloadable="error"``, else a warning at the fence);
 2. waits for its tag's staging slot (:meth:`._tags.Tags.wait_slot`: backpressure), and
    reserves a region of it; a new shared-memory segment is mapped by the writer at once
    (its name is unlinked as soon as both processes map it);
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Any
+from typing import Any, Literal
 
+from .._errors import InvalidStateError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor
 from ._copy import CopyPool, Events, stage_events
@@ -31,7 +34,10 @@ from ._staging import Region, Segment
 from ._tags import FileJob, Tags
 from .writer._calls import FileRecord, MapSegment, TensorRecord, WriteFile
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "Unloadable"]
+
+Unloadable = Literal["warn", "error", "ignore"]
+"""What ``stage()`` does with a value ``torch.load(weights_only=True)`` cannot read back."""
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +45,10 @@ logger = logging.getLogger(__name__)
 class Pipeline:
     """The stage thread and the copy pool of one engine."""
 
-    def __init__(self, tags: Tags, writer: WorkerCore) -> None:
+    def __init__(self, tags: Tags, writer: WorkerCore, unloadable: Unloadable = "warn") -> None:
         self._tags = tags
         self._writer = writer
+        self._unloadable = unloadable
         self._thread = DaemonThreadExecutor("aoffload-stage")
         self._pool = CopyPool()
         self._copies: set[concurrent.futures.Future[float]] = set()
@@ -56,8 +63,11 @@ class Pipeline:
 
     def _run(self, job: FileJob, state: object, recorded: Versions, events: Events) -> None:
         try:
-            planned = job.plan = plan(state, job.name, recorded)
+            planned = plan(state, job.name, recorded, check=self._unloadable != "ignore")
             del state
+            if planned.unloadable is not None and self._unloadable == "error":
+                raise InvalidStateError(f"{planned.unloadable} (unloadable='error')")
+            job.plan = planned
             slot = self._tags.wait_slot(job.open_tag)
             region, segment = slot.allocate(planned.nbytes)
             if segment is not None:

@@ -12,7 +12,9 @@ since the pickling grows with the state:
   O(entries), nothing that grows with the bytes); :mod:`._copy` compares it after the copy,
   and :func:`key_of` names the key of a tensor that moved (the slow, error-only path). A
   tensor the walk cannot reach (inside another object) has its version read when the
-  planner meets it.
+  planner meets it;
+* with ``check``, the pickler also notes a value that ``torch.load(weights_only=True)``
+  could not read back (:mod:`._loadable`), at no cost for a state dict of tensors.
 
 The copy itself is :mod:`._copy`'s, so nothing that grows with the state crosses the pipe.
 """
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidStateError
+from ._loadable import Allowed, message, refused
 from ._staging import aligned
 
 __all__ = ["Plan", "Versions", "key_of", "modified", "plan", "version_of", "versions"]
@@ -133,6 +136,20 @@ class _Pickler(pickle.Pickler):
         return index
 
 
+class _CheckingPickler(_Pickler):
+    """:class:`_Pickler` that also notes the first global the default load refuses."""
+
+    def __init__(self, file: _Chunks, recorded: Versions | None = None) -> None:
+        super().__init__(file, recorded)
+        self.allowed = Allowed()
+        self.refused: str | None = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self.refused is None:
+            self.refused = refused(obj, self.allowed)
+        return NotImplemented
+
+
 def version_of(tensor: torch.Tensor) -> int | None:
     """The tensor's in-place version counter, or ``None`` where it keeps none (inference mode)."""
     try:
@@ -185,6 +202,8 @@ class Plan:
     The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; tensor ``i``
     at ``offsets[i]``, with version counter ``versions[i]`` as recorded; ``nbytes`` is the
     whole region's size. ``state`` is kept to name a key on the error path only.
+    ``unloadable`` says why ``torch.load(weights_only=True)`` would not read the file
+    back (``None``: it would, or nobody checked).
     """
 
     skeleton: tuple[bytes | memoryview, ...]
@@ -194,15 +213,17 @@ class Plan:
     nbytes: int
     versions: tuple[int | None, ...]
     state: object
+    unloadable: str | None = None
 
 
-def plan(state: object, name: str, recorded: Versions | None = None) -> Plan:
+def plan(state: object, name: str, recorded: Versions | None = None, check: bool = False) -> Plan:
     """Pickle the skeleton of ``state`` and lay out its tensors; bad input names its key.
 
-    ``recorded`` holds the version counters :func:`versions` read at ``stage()``.
+    ``recorded`` holds the version counters :func:`versions` read at ``stage()``;
+    ``check`` looks for values the default load could not read back.
     """
     chunks = _Chunks()
-    pickler = _Pickler(chunks, recorded)
+    pickler = _CheckingPickler(chunks, recorded) if check else _Pickler(chunks, recorded)
     try:
         pickler.dump(state)
     except Exception as exc:
@@ -210,6 +231,9 @@ def plan(state: object, name: str, recorded: Versions | None = None) -> Plan:
         where, why = found if found is not None else ("state", f"{type(exc).__name__}: {exc}")
         raise InvalidStateError(f"cannot save {name!r}: {where}: {why}") from exc
     skeleton = chunks.close()
+    unloadable = None
+    if isinstance(pickler, _CheckingPickler) and pickler.refused is not None:
+        unloadable = message(name, state, pickler.refused, pickler.allowed)
     offsets, total = [], aligned(chunks.nbytes)
     for tensor in pickler.tensors:
         offsets.append(total)
@@ -222,6 +246,7 @@ def plan(state: object, name: str, recorded: Versions | None = None) -> Plan:
         total,
         tuple(pickler.versions),
         state,
+        unloadable,
     )
 
 

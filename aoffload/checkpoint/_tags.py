@@ -87,6 +87,8 @@ class OpenTag:
     commit: concurrent.futures.Future[Any] | None = None
     poison: BaseException | None = None
     """A file of the tag was modified before its fence: the tag cannot be published."""
+    metadata: dict[str, Any] | None = None
+    """What the commit stores in the manifest (set when the commit is requested)."""
 
     def raise_failures(self) -> None:
         """Raise why the tag cannot be published: a staging failure nobody has seen, or
@@ -215,13 +217,16 @@ class Tags:
 
     # -- commits -------------------------------------------------------------------------
 
-    def begin_commit(self, tag: str | None, *, empty_ok: bool) -> tuple[OpenTag, bool]:
+    def begin_commit(
+        self, tag: str | None, *, empty_ok: bool, metadata: dict[str, Any] | None = None
+    ) -> tuple[OpenTag, bool]:
         """The tag a commit means, now COMMITTING, and whether this call started its commit.
 
         The caller that started it submits the commit (``open_tag.commit`` is its future,
-        made here); a second call for the same tag gets the same future. ``tag=None`` is
-        the single open tag. ``empty_ok`` (a rank of a distributed engine) opens a tag
-        without files. Raises :class:`InvalidStateError` otherwise.
+        made here, and ``metadata`` its metadata); a second call for the same tag gets the
+        same future, and may repeat the metadata but not change it. ``tag=None`` is the
+        single open tag. ``empty_ok`` (a rank of a distributed engine) opens a tag without
+        files. Raises :class:`InvalidStateError` otherwise.
         """
         with self._cond:
             if self._closing:
@@ -241,7 +246,14 @@ class Tags:
                     )
                 open_tag = self._open[tag] = self._new(tag)
             if open_tag.commit is not None:
+                changed = metadata is not None and metadata != open_tag.metadata
+                if changed and open_tag.poison is None:  # a poisoned tag's commit fails
+                    raise InvalidStateError(
+                        f"checkpoint {tag!r} is already being committed with metadata "
+                        f"{open_tag.metadata!r}; a second commit() of it cannot change that"
+                    )
                 return open_tag, False
+            open_tag.metadata = metadata
             open_tag.state = TagState.COMMITTING
             open_tag.commit = running_future()
             self._cond.notify_all()
@@ -318,6 +330,11 @@ class Tags:
             self._open.clear()
             self._queued.clear()
         self._slots.close()
+
+    def commits(self) -> list[concurrent.futures.Future[Any]]:
+        """The futures of the commits requested and not yet ended, oldest first."""
+        with self._cond:
+            return [t.commit for t in self._open.values() if t.commit is not None]
 
     def open_tags(self) -> list[str]:
         """The tags in flight, in the order they were opened."""

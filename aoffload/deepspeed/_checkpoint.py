@@ -116,6 +116,8 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             "writer": writer,
             "durable": durable,
             "start_timeout": start_timeout,
+            # DeepSpeed loads its checkpoints with weights_only=False (load() below)
+            "unloadable": "ignore",
         }
         if distributed is None:
             distributed = dist.is_initialized() and dist.get_world_size() > 1

@@ -1,26 +1,27 @@
-"""DeepSpeed's ``SuperOffloadCPUOptimizer`` interface, backed by :class:`aoffload.CPUAdam`.
+"""DeepSpeed's ``SuperOffloadCPUOptimizer`` interface, backed by aoffload's CPU optimizer.
 
-:class:`SuperOffloadCPUOptimizer` owns a private event loop on a daemon thread (a
-portal) that runs the :class:`~aoffload.CPUAdam`; :func:`install_superoffload` puts it
-under a SuperOffload stage-3 optimizer.
+:class:`SuperOffloadCPUOptimizer` drives the optimizer's thread-safe core
+(:class:`~aoffload.optimizer._core.OptimizerCore`, the same one :class:`~aoffload.CPUAdam`
+is the asyncio face of) directly from the caller's thread: no event loop, no portal, no
+pump. A step's result is recorded by the worker core's reader thread when it arrives and
+taken by ``get_result()``; the blocking methods block on the core.
+:func:`install_superoffload` puts it under a SuperOffload stage-3 optimizer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import logging
-import queue
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from deepspeed.runtime.superoffload.superoffload_utils import EventTypes, ResultKeys, TaskKeys
 
-from .._errors import AoffloadError, ClosedError, OptimizerError, RemoteError, WorkerDiedError
-from .._runtime.threads import Portal
-from ..optimizer import CPUAdam, StepKind, StepResult
+from .._errors import ClosedError, OptimizerError
+from ..optimizer import StepKind, StepResult
 from ..optimizer._calls import GROUP_KEYS
+from ..optimizer._core import OptimizerCore
+from ..optimizer._subgroups import check_options
 
 __all__ = ["SuperOffloadCPUOptimizer", "install_superoffload"]
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 _REQUIRED_KEYS = GROUP_KEYS[:5]  # what DeepSpeed's SuperOffload passes for every group
+_CLOSE_TIMEOUT = 30.0
 
 
 def _param_groups(optimizer_config: object) -> list[dict[str, Any]]:
@@ -56,10 +58,11 @@ def _as_result(result: StepResult) -> dict[str, Any]:
 
 
 class SuperOffloadCPUOptimizer:
-    """Drop-in for DeepSpeed's ``SuperOffloadCPUOptimizer``, backed by :class:`aoffload.CPUAdam`.
+    """Drop-in for DeepSpeed's ``SuperOffloadCPUOptimizer``, backed by aoffload's CPU optimizer.
 
     Same constructor, ``async_step`` / ``get_result`` / ``close``, result keys (``TaskKeys``,
     ``ResultKeys``) and event types (``"adam_step"``, ``"rollback"``) as DeepSpeed's class.
+    Every method runs on the caller's thread (any thread); there is no event loop behind it.
 
     Tensors: like DeepSpeed's, ``async_step`` takes any param and grad on every call. The
     first call of a sub-group registers its tensors (their storage moves to shared memory
@@ -82,7 +85,8 @@ class SuperOffloadCPUOptimizer:
     ``pin_memory`` is accepted for compatibility (there is no accelerator copy to speed up).
     ``cpuadam_cores_perc`` defaults to ``None`` (DeepSpeed's is 0.8): the worker and the
     trainer share every CPU, which measured faster when the trainer waits for the results
-    (see :class:`aoffload.CPUAdam`'s ``worker_cores``); a fraction splits them.
+    (see :class:`aoffload.CPUAdam`'s ``worker_cores``); a fraction splits them, and the
+    constructor's thread is the trainer's thread that :meth:`close` restores.
     """
 
     def __init__(
@@ -100,115 +104,42 @@ class SuperOffloadCPUOptimizer:
             raise OptimizerError("cpuadam_cores_perc must be between 0 and 1")
         self.max_grad_numel = max_grad_numel
         self.pin_memory = pin_memory
-        self._results: queue.SimpleQueue[dict[str, Any] | BaseException] = queue.SimpleQueue()
-        self._pump: asyncio.Task[None] | None = None
         self._closed = False
-        # The trainer thread's view: the memory each sub-group registered.
+        # The memory each sub-group registered.
         self._registered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # The portal loop's view: steps sent and not yet answered, in the worker's order.
-        self._order: collections.deque[tuple[int, int]] = collections.deque()
-        self._in_flight: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._watchers: list[asyncio.Future[None]] = []
-        self._optimizer = CPUAdam(
-            param_groups=_param_groups(optimizer_config),
+        groups = check_options(_param_groups(optimizer_config), backend, cpuadam_cores_perc)
+        self._core = OptimizerCore(
+            groups,
             backend=backend,
             worker_cores=cpuadam_cores_perc,
             exact_rollback=exact_rollback,
-            start_timeout=start_timeout,
+            close_timeout=_CLOSE_TIMEOUT,
         )
-        self._portal = Portal("superoffload")
         try:
-            self._portal.call(self._open())
+            self._core.start(start_timeout)
         except BaseException:
-            self._portal.close()
+            self._core.close()
             raise
-        self._pid = self._optimizer.pid
+        self._core.pin()
 
     @property
     def pid(self) -> int | None:
         """The worker's process id while it runs, else ``None``."""
-        return self._optimizer.pid
+        return None if self._closed else self._core.pid
 
     def _check_alive(self) -> None:
         if self._closed:
             raise ClosedError("the SuperOffloadCPUOptimizer is closed")
-        if self._optimizer.pid is None:
-            raise WorkerDiedError("cpu-adam", self._pid, None)
-
-    async def _open(self) -> None:
-        await self._optimizer.start()
-        self._pump = asyncio.get_running_loop().create_task(self._pump_results())
-
-    async def _submit(
-        self,
-        param_group_id: int,
-        sub_group_id: int,
-        fp32_param: torch.Tensor,
-        fp32_grad: torch.Tensor,
-        rollback: bool,
-        lr: float | None,
-    ) -> None:
-        self._optimizer.submit(
-            param_group_id, sub_group_id, fp32_param, fp32_grad, lr=lr, rollback=rollback
-        )
-        key = (param_group_id, sub_group_id)
-        self._order.append(key)
-        self._in_flight[key] += 1
-
-    def _answered(self) -> None:
-        if self._order:
-            key = self._order.popleft()
-            self._in_flight[key] -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        watchers, self._watchers = self._watchers, []
-        for watcher in watchers:
-            if not watcher.done():
-                watcher.set_result(None)
-
-    async def _until(self, condition: Any) -> None:
-        """Wait until ``condition()`` holds or the pump has ended (the worker is gone)."""
-        while not condition() and not (self._pump is None or self._pump.done()):
-            watcher = asyncio.get_running_loop().create_future()
-            self._watchers.append(watcher)
-            await watcher
-
-    async def _idle(self, key: tuple[int, int]) -> None:
-        await self._until(lambda: not self._in_flight[key])
-
-    async def _settle(self) -> None:
-        await self._until(lambda: not self._order)
-
-    async def _pump_results(self) -> None:
-        # One consumer for the optimizer's life: results(follow=True) ends at the close.
-        results = self._optimizer.results(follow=True)
-        try:
-            while True:
-                try:
-                    result = await anext(results)
-                except StopAsyncIteration:
-                    return
-                except RemoteError as exc:  # that step failed; the worker serves on
-                    self._results.put(exc)
-                except AoffloadError as exc:  # the worker died: nothing more will come
-                    self._results.put(exc)
-                    return
-                else:
-                    self._results.put(_as_result(result))
-                self._answered()
-        finally:
-            self._wake()
+        self._core.check_running()  # raises WorkerDiedError once the worker is dead
 
     def _tensors(
         self, key: tuple[int, int], param: torch.Tensor, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The registered tensors of ``key``, with ``param`` and ``grad`` copied in if needed."""
         registered = self._registered.get(key)
-        if registered is None:
+        if registered is None:  # the first step registers them (async_step records them)
             if _pinned(param) or _pinned(grad):  # cannot move to shared memory in place
                 param, grad = param.detach().clone(), grad.detach().clone()
-            self._registered[key] = (param, grad)
             return param, grad
         own_param, own_grad = registered
         same_param = param.data_ptr() == own_param.data_ptr()
@@ -220,7 +151,8 @@ class SuperOffloadCPUOptimizer:
                 f"sub-group {key[1]} of group {key[0]} was registered with "
                 f"{own_param.numel()} elements, got param {param.numel()} / grad {grad.numel()}"
             )
-        self._portal.call(self._idle(key))  # the registered memory is in use until then
+        self._core.wait_subgroup(key)  # the registered memory is in use until then
+        self._check_alive()
         if not same_param:
             own_param.copy_(param.reshape(own_param.shape))
         if not same_grad:
@@ -236,7 +168,12 @@ class SuperOffloadCPUOptimizer:
         rollback: bool = False,
         lr: float | None = None,
     ) -> None:
-        """Queue one step (or, with ``rollback=True``, its undo) of a sub-group; never waits."""
+        """Queue one step (or, with ``rollback=True``, its undo) of a sub-group.
+
+        Sent on the caller's thread; it only waits when other tensors than the registered
+        ones must be copied into the registered memory while that sub-group has a step in
+        flight.
+        """
         self._check_alive()
         if fp32_grad.numel() > self.max_grad_numel:
             raise OptimizerError(
@@ -244,36 +181,24 @@ class SuperOffloadCPUOptimizer:
                 f"{self.max_grad_numel}"
             )
         key = (param_group_id, sub_group_id)
-        new = key not in self._registered
         param, grad = self._tensors(key, fp32_param, fp32_grad)
-        try:
-            self._portal.call(self._submit(param_group_id, sub_group_id, param, grad, rollback, lr))
-        except BaseException:
-            if new:
-                self._registered.pop(key, None)  # not registered: the next call tries again
-            raise
+        self._core.submit(param_group_id, sub_group_id, param, grad, lr=lr, rollback=rollback)
+        if key not in self._registered:  # registered by this first step: record its memory
+            self._registered[key] = (param, grad)
 
     def get_result(self, expected_event_type: str | None = None) -> dict[str, Any] | None:
         """The next finished step's result dict, or ``None`` when none has finished yet.
 
-        Raises :class:`aoffload.WorkerDiedError` once the worker is dead and every result it
-        produced has been returned, :class:`aoffload.RemoteError` for a step that failed, and
-        :class:`aoffload.OptimizerError` when ``expected_event_type`` does not match.
+        Never blocks. Raises :class:`aoffload.WorkerDiedError` once the worker is dead and
+        every result it produced has been returned, :class:`aoffload.RemoteError` for a
+        step that failed, and :class:`aoffload.OptimizerError` when ``expected_event_type``
+        does not match.
         """
-        try:
-            item = self._results.get_nowait()
-        except queue.Empty:
-            if self._closed or self._optimizer.pid is not None:
-                self._check_alive()
-                return None
-            # Dead: first let through the results that finished before the death.
-            self._portal.call(self._settle())
-            try:
-                item = self._results.get_nowait()
-            except queue.Empty:
-                raise WorkerDiedError("cpu-adam", self._pid, None) from None
-        if isinstance(item, BaseException):
-            raise item
+        pending = self._core.outcomes.take()
+        if pending is None:
+            self._check_alive()
+            return None
+        item = _as_result(pending.result())
         if expected_event_type is not None and item[ResultKeys.EVENT_TYPE] != expected_event_type:
             raise OptimizerError(
                 f"Event type mismatch: expected {expected_event_type!r}, "
@@ -287,22 +212,23 @@ class SuperOffloadCPUOptimizer:
         Waits for those steps; their results still come from :meth:`get_result`.
         """
         self._check_alive()
-        return self._portal.call(self._optimizer.state_dict())
+        return self._core.state_dict().result()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (see :meth:`CPUAdam.load_state_dict`)."""
         self._check_alive()
-        self._portal.call(self._optimizer.load_state_dict(state_dict))
+        self._core.load_state_dict(state_dict).result()
 
     def close(self) -> None:
-        """Stop the worker (draining queued steps, with a bound) and the portal; idempotent."""
+        """Stop the worker (draining queued steps, with a bound); idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._portal.call(self._optimizer.aclose())
+            self._core.close()
         finally:
-            self._portal.close()
+            self._core.kill()
+            self._core.unpin()
 
 
 def _pinned(tensor: torch.Tensor) -> bool:

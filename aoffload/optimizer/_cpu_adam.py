@@ -26,63 +26,54 @@ hyper-parameters after every step submitted before the call, in one layout for b
 backends (:mod:`._state`), and ``await opt.load_state_dict(sd)`` puts such a state
 back, so a run saved with :class:`~aoffload.CheckpointEngine` resumes bit-identically.
 The moments travel through shared memory, never through the pipe.
+
+Threads: ``CPUAdam`` is the asyncio face of a thread-safe core (:mod:`._core`).
+``submit()`` may be called from any thread, a backward hook's included; each step's
+result is recorded by the worker's reader thread when it arrives, while the event loop
+is busy or blocked, and an awaiting ``results()``/``drain()`` is woken once per burst of
+results, when what it waits for holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
-from .._runtime.bridge import Bridge
-from .._runtime.resource import AsyncResource
-from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, Step
-from ._results import Outcomes, Pending, StepKind, StepResult, StepResults
-from ._service import TARGET
-from ._state import StateTransfer
-from ._subgroups import Registry, group_config, share, valid_lr, validate
+from .._errors import ClosedError, WorkerDiedError
+from .._runtime.resource import AsyncResource, State
+from .._runtime.threads import LoopInbox, mark_retrieved, run_in_thread
+from ._core import OptimizerCore
+from ._results import Pending, StepResult, StepResults, Wait
+from ._subgroups import check_options
 
 __all__ = ["CPUAdam"]
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS = ("auto", "deepspeed", "torch")
+T = TypeVar("T")
 
 
-def _checked_groups(
-    param_groups: Sequence[Mapping[str, object]], backend: str, worker_cores: float | None
-) -> tuple[GroupConfig, ...]:
-    """Validate :class:`CPUAdam`'s arguments; its param groups as GroupConfigs."""
-    if isinstance(param_groups, Mapping):
-        param_groups = [param_groups]
-    if not param_groups:
-        raise OptimizerError("CPUAdam needs at least one param group")
-    if backend not in _BACKENDS:
-        raise OptimizerError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
-        raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
-    return tuple(group_config(i, group) for i, group in enumerate(param_groups))
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
-async def _start_worker(bridge: Bridge, split: Split, affinity: Affinity) -> str:
-    """Start the worker, pin the trainer to its side of ``split``, log both; the backend's name."""
-    await bridge.start()
-    info = await bridge.request(GetInfo())
-    affinity.apply(split)
-    logger.info(
-        "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
-        bridge.pid,
-        info.backend,
-        info.threads,
-        "unpinned" if info.cores is None else list(info.cores),
-        split.trainer if split.worker is not None else "unpinned",
-    )
-    return info.backend
+def _settle(source: concurrent.futures.Future[T], target: asyncio.Future[T]) -> None:
+    if target.done():
+        return  # the wait was cancelled: the outcome is dropped
+    error = source.exception()
+    if error is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(error)
+        if isinstance(error, (WorkerDiedError, ClosedError)):
+            mark_retrieved(target)  # logged where it happened: an abandoned wait stays quiet
 
 
 class CPUAdam(AsyncResource):
@@ -92,8 +83,8 @@ class CPUAdam(AsyncResource):
     and ``amsgrad`` (must be false), as DeepSpeed's optimizer config; missing keys take
     DeepSpeed's defaults and a ``params`` key is ignored. ``backend`` is ``"deepspeed"``,
     ``"torch"`` or ``"auto"`` (DeepSpeed when it imports and its op builds; the choice is
-    logged and exposed as :attr:`backend`). See the module docstring for rollback and
-    the zero-copy contract.
+    logged and exposed as :attr:`backend`). See the module docstring for rollback, the
+    zero-copy contract and threads.
 
     ``worker_cores=None`` (the default) changes nothing in the trainer: the worker
     inherits the process's CPUs and torch's default thread count, and the OS shares the
@@ -120,58 +111,41 @@ class CPUAdam(AsyncResource):
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
     ) -> None:
-        groups = _checked_groups(param_groups, backend, worker_cores)
+        groups = check_options(param_groups, backend, worker_cores)
         super().__init__()
-        self._groups = groups
-        self._requested_backend = backend
-        self._worker_cores = worker_cores
-        self._exact = exact_rollback
+        self._core = OptimizerCore(
+            groups,
+            backend=backend,
+            worker_cores=worker_cores,
+            exact_rollback=exact_rollback,
+            close_timeout=close_timeout,
+        )
         self._start_timeout = start_timeout
-        self._close_timeout = close_timeout
-        self._bridge: Bridge | None = None
-        self._backend: str | None = None
-        self._affinity = Affinity()
-        self._registry = Registry()
-        self._subgroups = self._registry.subgroups
-        self._outcomes = Outcomes()
-        self._transfer = StateTransfer()
-        self._loading = False
+        self._inbox: LoopInbox | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
     @property
     def pid(self) -> int | None:
         """The worker's process id while it runs, else ``None``."""
-        return None if self._bridge is None else self._bridge.pid
+        running = self._state in (State.RUNNING, State.CLOSING)
+        return self._core.pid if running else None
 
     @property
     def backend(self) -> str | None:
         """The backend the worker runs (``"deepspeed"`` or ``"torch"``) once started."""
-        return self._backend
+        return self._core.backend
 
     @property
     def outstanding(self) -> int:
         """Submitted steps whose result has not been consumed yet."""
-        return self._outcomes.outstanding
+        return self._core.outcomes.outstanding
 
     async def _open(self) -> None:
         """Spawn the worker, build its backend and split the CPUs; see the class docstring."""
-        split = plan_split(self._worker_cores)
-        config = AdamConfig(
-            groups=self._groups,
-            backend=self._requested_backend,
-            exact_rollback=self._exact,
-            cores=split.worker,
-            threads=split.threads,
-        )
-        self._bridge = Bridge(
-            TARGET,
-            config,
-            name="cpu-adam",
-            start_timeout=self._start_timeout,
-            close_timeout=self._close_timeout,
-        )
-        self._backend = await _start_worker(self._bridge, split, self._affinity)
+        self._inbox = LoopInbox(asyncio.get_running_loop())
+        await run_in_thread(self._core.start, self._start_timeout, name="aoffload-cpu-adam-start")
+        self._core.pin()
 
     async def _close(self) -> None:
         """Stop the worker after the steps already sent.
@@ -180,55 +154,25 @@ class CPUAdam(AsyncResource):
         count are restored. No process or shared-memory segment outlives it (the params
         stay in shared memory as long as the caller holds them).
         """
-        self._outcomes.closed = True
         try:
-            if self._bridge is not None:
-                # for a follower that waits with nothing in flight
-                self._outcomes.death = self._bridge.death
-                await self._bridge.aclose()
+            await run_in_thread(self._core.close, name="aoffload-cpu-adam-close")
         finally:
-            self._affinity.restore()
-            await self._registry.close()
-            self._outcomes.wake()
-            self._transfer.clear()
+            self._core.kill()  # cancelled: never leave the worker behind
+            self._core.unpin()
 
     # -- submitting ----------------------------------------------------------------------
-
-    def _running_bridge(self) -> Bridge:
-        self.check_running()
-        if self._bridge is None:
-            raise ClosedError("CPUAdam was never started")
-        self._bridge.check_running()
-        return self._bridge
 
     async def register(
         self, group_id: int, subgroup_id: int, param: torch.Tensor, grad: torch.Tensor
     ) -> None:
         """Move ``param`` and ``grad`` to shared memory off the event loop and register them.
 
-        Optional: the first :meth:`submit` of a sub-group does the same on the loop (a
-        copy of both tensors, which blocks the loop for large ones).
+        Optional: the first :meth:`submit` of a sub-group does the same on the caller's
+        thread (a copy of both tensors, which blocks the loop for large ones when the
+        caller is the loop).
         """
-        self._running_bridge()
-        param_t, grad_t = validate(
-            len(self._groups), self._subgroups, group_id, subgroup_id, param, grad, None
-        )
-        if (group_id, subgroup_id) in self._subgroups:
-            return
-        self._registry.check_loaded(group_id, subgroup_id, param_t)
-        self._check_not_loading()
-        thread = self._registry.thread()
-        await asyncio.get_running_loop().run_in_executor(thread, share, param_t, grad_t)
-        bridge = self._running_bridge()
-        self._check_not_loading()
-        if (group_id, subgroup_id) not in self._subgroups:
-            await self._registry.register(bridge, group_id, subgroup_id, param_t, grad_t)
-
-    def _check_not_loading(self) -> None:
-        if self._loading:
-            raise OptimizerError(
-                "load_state_dict() is in progress: await it before submitting or registering"
-            )
+        self.check_running()
+        await self._wait(self._core.register(group_id, subgroup_id, param, grad))
 
     def submit(
         self,
@@ -241,37 +185,17 @@ class CPUAdam(AsyncResource):
     ) -> None:
         """Queue one step (or, with ``rollback=True``, the undo of the last one); non-blocking.
 
-        ``param`` is updated in place; ``grad`` must not change until this step's result
-        arrives. A ``grad`` other than the sub-group's registered one is copied into the
-        registered (shared) buffer here, on the caller's thread: one memcpy, allowed only
-        when none of that sub-group's steps is in flight. ``lr`` sets the group's learning
-        rate from this step on. Raises :class:`OptimizerError` for bad input, before
-        anything is sent.
+        Any thread may call it (a backward hook on autograd's thread, for instance); the
+        step is sent at once and its result recorded when it arrives, whatever the event
+        loop is doing. ``param`` is updated in place; ``grad`` must not change until this
+        step's result arrives. A ``grad`` other than the sub-group's registered one is
+        copied into the registered (shared) buffer here, on the caller's thread: one
+        memcpy, allowed only when none of that sub-group's steps is in flight. ``lr`` sets
+        the group's learning rate from this step on. Raises :class:`OptimizerError` for
+        bad input, before anything is sent.
         """
-        bridge = self._running_bridge()
-        self._check_not_loading()
-        key = (group_id, subgroup_id)
-        sub = self._subgroups.get(key)
-        register: asyncio.Future[None] | None = None
-        if sub is not None and sub.same(param, grad) and (lr is None or valid_lr(lr)):
-            param_t = sub.param  # the steady state: nothing to check, nothing to copy
-        else:
-            param_t, grad_t = validate(
-                len(self._groups), self._subgroups, group_id, subgroup_id, param, grad, lr
-            )
-            sub, register = self._registry.prepare(bridge, key, sub, param_t, grad_t)
-        step = Step(group_id, subgroup_id, None if lr is None else float(lr), bool(rollback))
-        kind = StepKind.ROLLBACK if rollback else StepKind.STEP
-        pending = Pending(group_id, subgroup_id, kind, param_t, register)
-        subgroup, outcomes = sub, self._outcomes
-
-        def on_done(done: object, error: BaseException | None) -> None:
-            subgroup.in_flight -= 1
-            outcomes.finish(pending, done, error)
-
-        bridge.call_with_callback(step, on_done)
-        sub.in_flight += 1
-        outcomes.pending.add(pending)
+        self.check_running()
+        self._core.submit(group_id, subgroup_id, param, grad, lr, rollback)
 
     # -- results -----------------------------------------------------------------------
 
@@ -287,7 +211,7 @@ class CPUAdam(AsyncResource):
         A failed step raises :class:`~aoffload.RemoteError` for that step (iteration may
         go on); a dead worker raises :class:`~aoffload.WorkerDiedError`.
         """
-        return StepResults(self._outcomes, follow=follow)
+        return StepResults(self._next_result, follow=follow)
 
     async def drain(self) -> list[StepResult]:
         """Wait for every outstanding step and return their results in completion order.
@@ -297,7 +221,57 @@ class CPUAdam(AsyncResource):
         several. No result is dropped: those of the steps that succeeded stay outstanding
         for the next ``drain()`` or ``results()``. Cancelling the wait consumes nothing.
         """
-        return await self._outcomes.drain()
+        outcomes = self._core.outcomes
+        while not outcomes.idle():
+            await self._until(outcomes.idle)  # one wake-up, when the last step is done
+        return outcomes.collect()
+
+    async def _next_result(self, *, follow: bool) -> Pending | None:
+        outcomes = self._core.outcomes
+        pending = outcomes.next(follow=follow)
+        while pending is Wait.WAIT:
+            inbox = self._loop_inbox()
+            waiter: asyncio.Future[None] = inbox.loop.create_future()
+            fire = functools.partial(inbox.post, _wake, waiter)
+            pending = outcomes.next(follow=follow, fire=fire)  # a race lost: no wait
+            if pending is not Wait.WAIT:
+                break
+            try:
+                await waiter
+            finally:
+                if waiter.cancelled():
+                    outcomes.unwatch(fire)
+            pending = outcomes.next(follow=follow)
+        return pending
+
+    def _loop_inbox(self) -> LoopInbox:
+        loop = asyncio.get_running_loop()
+        if self._inbox is None or self._inbox.loop is not loop:
+            return LoopInbox(loop)  # a wait on another loop than the one it started on
+        return self._inbox
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()`` holds; the thread whose change made it true wakes the loop."""
+        inbox = self._loop_inbox()
+        waiter: asyncio.Future[None] = inbox.loop.create_future()
+
+        def fire() -> None:
+            inbox.post(_wake, waiter)
+
+        if not self._core.outcomes.watch(ready, fire):
+            return
+        try:
+            await waiter
+        finally:
+            if waiter.cancelled():
+                self._core.outcomes.unwatch(fire)
+
+    async def _wait(self, future: concurrent.futures.Future[T]) -> T:
+        """Await a core future; its outcome reaches the loop through the inbox."""
+        inbox = self._loop_inbox()
+        waiter: asyncio.Future[T] = inbox.loop.create_future()
+        future.add_done_callback(lambda done: inbox.post(_settle, done, waiter))
+        return await waiter
 
     # -- state ---------------------------------------------------------------------------
 
@@ -311,7 +285,8 @@ class CPUAdam(AsyncResource):
         flat CPU float32 views of shared memory that the caller owns: later steps never
         change them, and :meth:`CheckpointEngine.save` takes them as they are.
         """
-        return await self._transfer.snapshot(self._running_bridge(), self._subgroups)
+        self.check_running()
+        return await self._wait(self._core.state_dict())
 
     async def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the optimizer state with ``state_dict`` (from :meth:`state_dict`).
@@ -322,16 +297,9 @@ class CPUAdam(AsyncResource):
         not list start afresh; group hyper-parameters are replaced, as torch's optimizers
         do. An unknown group id, a size or dtype mismatch raises
         :class:`~aoffload.OptimizerError` and changes nothing. Steps already submitted run
-        first; :meth:`submit` raises while the load is in progress. An exact-rollback
-        pre-step copy does not survive a load: a rollback needs a step after it.
+        first; :meth:`submit` raises while the load is in progress (until the load itself
+        has ended, even if this wait is cancelled). An exact-rollback pre-step copy does
+        not survive a load: a rollback needs a step after it.
         """
-        bridge = self._running_bridge()
-        if self._loading:
-            raise OptimizerError("another load_state_dict() is in progress")
-        self._loading = True
-        try:
-            self._groups = await self._transfer.load_state_dict(
-                bridge, state_dict, len(self._groups), self._registry
-            )
-        finally:
-            self._loading = False
+        self.check_running()
+        await self._wait(self._core.load_state_dict(state_dict))

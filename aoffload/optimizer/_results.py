@@ -1,9 +1,14 @@
-"""What the trainer gets back from the CPU optimizer: step results, and the stream of them.
+"""What the trainer gets back from the CPU optimizer: step results, their record, their stream.
 
-:class:`Outcomes` tracks every submitted step from its submit to its consumption:
-the reply callback records the outcome, :class:`StepResults` (``CPUAdam.results()``)
-and ``drain()`` hand it out in completion order. Waiting is by futures that a reply
-(or a submit, or the close) resolves; nothing polls.
+:class:`Outcomes` is the thread-safe record of every submitted step, from its submit (on
+any thread) to its consumption. The core's reader thread records each outcome the moment
+the reply arrives, with no event loop involved. Consumers wait on it in two ways:
+
+* a thread blocks in :meth:`Outcomes.wait` (a condition variable);
+* an event loop registers a one-shot *watcher* (:meth:`Outcomes.watch`): a predicate and a
+  callback that fires once, when the predicate holds. A burst of replies wakes the loop at
+  most once, and only when something it waits for holds (``drain()`` wakes once, when the
+  last step is done).
 
 When a stream ends:
 
@@ -18,9 +23,11 @@ When a stream ends:
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import concurrent.futures
 import enum
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +35,7 @@ import torch
 from .._errors import OptimizerError
 from ._calls import Done
 
-__all__ = ["Outcomes", "Pending", "StepKind", "StepResult", "StepResults"]
+__all__ = ["Outcomes", "Pending", "StepKind", "StepResult", "StepResults", "Wait", "Watcher"]
 
 
 class StepKind(enum.Enum):
@@ -55,7 +62,7 @@ class StepResult:
 
 
 class Pending:
-    """One submitted step; its reply callback records the outcome."""
+    """One submitted step; the reply records its outcome here."""
 
     __slots__ = ("done", "error", "group_id", "kind", "param", "register", "subgroup")
 
@@ -65,7 +72,7 @@ class Pending:
         subgroup: int,
         kind: StepKind,
         param: torch.Tensor,
-        register: asyncio.Future[None] | None,
+        register: concurrent.futures.Future[None] | None,
     ) -> None:
         self.group_id = group_id
         self.subgroup = subgroup
@@ -89,24 +96,42 @@ class Pending:
         )
 
 
+class Wait(enum.Enum):
+    """What :meth:`Outcomes.next` returns when the caller must wait for a change."""
+
+    WAIT = "wait"
+
+
+Watcher = tuple[Callable[[], bool], Callable[[], None]]
+"""``(ready, fire)``: ``fire()`` runs once, outside the lock, when ``ready()`` holds."""
+
+
 class Outcomes:
-    """Submitted steps: in flight, finished and not yet consumed, and who waits for them."""
+    """Submitted steps in flight, finished ones not consumed yet, and who waits; thread-safe.
+
+    :attr:`lock` guards everything here; the optimizer core also guards its sub-groups'
+    in-flight counts with it, so that a step's outcome is one critical section.
+    """
 
     def __init__(self) -> None:
-        self.pending: set[Pending] = set()
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
+        self._blocked = 0  # threads waiting in wait()
+        self.in_flight = 0
         self.completed: collections.deque[Pending] = collections.deque()
-        self._waiters: set[asyncio.Future[None]] = set()
-        self._idle_waiters: set[asyncio.Future[None]] = set()
+        self._watchers: list[Watcher] = []
         self.closed = False
         self.death: BaseException | None = None  # set by the close when the worker had died
 
     @property
     def outstanding(self) -> int:
         """Submitted steps whose result has not been consumed yet."""
-        return len(self.pending) + len(self.completed)
+        return self.in_flight + len(self.completed)
 
-    def finish(self, pending: Pending, done: object, error: BaseException | None) -> None:
-        """Record a step's outcome (from its reply callback) and wake the waiters."""
+    # -- changes (any thread) -------------------------------------------------------------
+
+    def finish_locked(self, pending: Pending, done: object, error: BaseException | None) -> None:
+        """Record a step's outcome; the caller holds :attr:`lock` and calls :meth:`fire`."""
         # The outcome is raised by results()/drain(), or dropped by aclose().
         if error is not None:
             pending.error = error
@@ -114,67 +139,135 @@ class Outcomes:
             pending.done = done
         else:
             pending.error = OptimizerError(f"the worker answered a step with {done!r}")
-        self.pending.discard(pending)
+        self.in_flight -= 1
         self.completed.append(pending)
-        self.wake()
 
-    def wake(self) -> None:
-        """Wake every waiter; the idle waiters once nothing is in flight."""
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        if not self.pending or self.closed:
-            for waiter in self._idle_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+    def ready_locked(self) -> list[Callable[[], None]]:
+        """After a change (under :attr:`lock`): wake blocked threads, and take the watchers
+        whose predicate now holds; the caller runs them once it released the lock."""
+        if self._blocked:
+            self._changed.notify_all()
+        watchers = self._watchers
+        if not watchers:
+            return []
+        if len(watchers) == 1:  # the usual case: one awaiting drain() or results()
+            ready, fire = watchers[0]
+            if not ready():
+                return []
+            self._watchers = []
+            return [fire]
+        fired = [fire for ready, fire in watchers if ready()]
+        if fired:
+            self._watchers = [w for w in watchers if w[1] not in fired]
+        return fired
 
-    async def _wait_for_change(self, *, idle: bool = False) -> None:
-        # Each wait has its own future, so a cancelled wait never disturbs another.
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self._idle_waiters if idle else self._waiters
-        waiters.add(waiter)
-        try:
-            await waiter
-        finally:
-            waiters.discard(waiter)
+    @staticmethod
+    def fire(callbacks: list[Callable[[], None]]) -> None:
+        """Run the callbacks :meth:`ready_locked` returned (outside the lock)."""
+        for callback in callbacks:
+            callback()
 
-    async def next_completed(self, *, follow: bool = False) -> Pending | None:
-        """The next finished step; ``None`` at the end of the stream (see the module doc)."""
-        while not self.completed:
-            if follow and self.closed and not self.pending:
-                if self.death is not None:
-                    raise self.death
-                return None
-            if not follow and not self.pending:
-                return None
-            await self._wait_for_change()
-        return self.completed.popleft()
+    def close(self, death: BaseException | None) -> None:
+        """The optimizer is closing: followers end once nothing is in flight."""
+        with self.lock:
+            self.closed = True
+            self.death = death
+            fired = self.ready_locked()
+        self.fire(fired)
 
-    async def drain(self) -> list[StepResult]:
-        """Wait for every outstanding step and return their results in completion order.
+    # -- waiting -------------------------------------------------------------------------
 
-        If steps failed, their errors are raised once all steps have finished: the error
-        itself when there is one (a dead worker's :class:`~aoffload.WorkerDiedError` counts
-        once, however many steps it failed), an :class:`ExceptionGroup` of them when there
-        are several. No result is dropped: the results of the steps that succeeded stay
-        outstanding, for the next ``drain()`` or ``results()``. Cancelling the wait
-        consumes nothing.
+    def watch(self, ready: Callable[[], bool], fire: Callable[[], None]) -> bool:
+        """Run ``fire()`` once when ``ready()`` holds; ``False`` (and no watcher) if it holds now.
+
+        ``ready`` runs under :attr:`lock` on whichever thread made the change.
         """
-        while self.pending:
-            await self._wait_for_change(idle=True)  # one wake-up when the last step is done
-        finished, self.completed = list(self.completed), collections.deque()
-        results: list[StepResult] = []
-        kept: list[Pending] = []
-        errors: dict[int, Exception] = {}  # by identity: one death fails every step
-        for pending in finished:
+        with self.lock:
+            if ready():
+                return False
+            self._watchers.append((ready, fire))
+            return True
+
+    def unwatch(self, fire: Callable[[], None]) -> None:
+        """Forget the watcher of ``fire`` if it has not fired (a cancelled wait)."""
+        with self.lock:
+            self._watchers = [w for w in self._watchers if w[1] is not fire]
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block the calling thread until ``ready()`` holds (checked under :attr:`lock`)."""
+        with self.lock:
+            self._blocked += 1
             try:
-                results.append(pending.result())
-                kept.append(pending)
-            except Exception as exc:  # noqa: BLE001 - raised below, after the rest finished
-                errors.setdefault(id(exc), exc)
+                return self._changed.wait_for(ready, timeout)
+            finally:
+                self._blocked -= 1
+
+    # -- predicates (called under the lock) ------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing in flight."""
+        return not self.in_flight
+
+    def has_next(self) -> bool:
+        """A finished step is waiting, or the stream of the outstanding steps has ended."""
+        return bool(self.completed) or not self.in_flight
+
+    def has_next_following(self) -> bool:
+        """A finished step is waiting, or the optimizer's life-long stream has ended."""
+        return bool(self.completed) or (self.closed and not self.in_flight)
+
+    # -- consuming -----------------------------------------------------------------------
+
+    def next(
+        self, *, follow: bool, fire: Callable[[], None] | None = None
+    ) -> Pending | Wait | None:
+        """The next finished step, ``None`` at the end of the stream, or :attr:`Wait.WAIT`:
+        then ``fire`` (if given) is watching for the next change of the stream, registered
+        in the same critical section (one lock, not two, for a consumer that must wait)."""
+        with self.lock:
+            if self.completed:
+                return self.completed.popleft()
+            if follow:
+                if self.closed and not self.in_flight:
+                    if self.death is not None:
+                        raise self.death
+                    return None
+            elif not self.in_flight:
+                return None
+            if fire is not None:
+                ready = self.has_next_following if follow else self.has_next
+                self._watchers.append((ready, fire))
+            return Wait.WAIT
+
+    def take(self) -> Pending | None:
+        """The next finished step, or ``None`` if none has finished (never waits)."""
+        with self.lock:
+            return self.completed.popleft() if self.completed else None
+
+    def collect(self) -> list[StepResult]:
+        """Every finished step's result, in completion order (``drain()`` once idle).
+
+        If steps failed, their errors are raised: the error itself when there is one (a
+        dead worker's :class:`~aoffload.WorkerDiedError` counts once, however many steps it
+        failed), an :class:`ExceptionGroup` of them when there are several. No result is
+        dropped: the results of the steps that succeeded stay outstanding, ahead of any
+        that finished meanwhile, for the next ``drain()`` or ``results()``.
+        """
+        with self.lock:
+            finished, self.completed = self.completed, collections.deque()
+            results: list[StepResult] = []
+            kept: list[Pending] = []
+            errors: dict[int, Exception] = {}  # by identity: one death fails every step
+            for pending in finished:
+                try:
+                    results.append(pending.result())
+                    kept.append(pending)
+                except Exception as exc:  # noqa: BLE001 - raised below, after the rest finished
+                    errors.setdefault(id(exc), exc)
+            if errors:
+                self.completed.extendleft(reversed(kept))
         if not errors:
             return results
-        self.completed.extend(kept)
         if len(errors) == 1:
             raise next(iter(errors.values()))
         raise ExceptionGroup(
@@ -182,6 +275,10 @@ class Outcomes:
             "drain() or results())",
             list(errors.values()),
         )
+
+
+_Next = Callable[..., Awaitable[Pending | None]]
+"""``await next_result(follow=...)``: the next finished step, ``None`` at the end."""
 
 
 class StepResults:
@@ -193,8 +290,8 @@ class StepResults:
     step raises its error from ``__anext__``; iterating on after it is allowed.
     """
 
-    def __init__(self, outcomes: Outcomes, *, follow: bool = False) -> None:
-        self._outcomes = outcomes
+    def __init__(self, source: _Next, *, follow: bool = False) -> None:
+        self._source = source
         self._follow = follow
 
     def __aiter__(self) -> StepResults:
@@ -203,7 +300,7 @@ class StepResults:
 
     async def __anext__(self) -> StepResult:
         """The next finished step; raises that step's error if it failed."""
-        pending = await self._outcomes.next_completed(follow=self._follow)
+        pending = await self._source(follow=self._follow)
         if pending is None:
             raise StopAsyncIteration
         return pending.result()

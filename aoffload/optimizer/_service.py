@@ -1,4 +1,9 @@
-"""The CPU optimizer's worker service: dispatches :mod:`._calls` to a backend."""
+"""The CPU optimizer's worker service: dispatches :mod:`._calls` to a backend.
+
+Before it builds DeepSpeed's op, the service quiets DeepSpeed's notice that it fell back
+to the CPU accelerator (the right one for a CPU optimizer; any other DeepSpeed warning is
+kept) and prepares the op's start (see :mod:`._deepspeed_start`).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from ._calls import (
     StateInfo,
     Step,
 )
+from ._deepspeed_start import prepare_deepspeed
 
 __all__ = ["TARGET", "AdamService"]
 
@@ -42,6 +48,8 @@ class AdamService(Service):
             os.sched_setaffinity(0, config.cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        if config.backend != "torch":
+            prepare_deepspeed()
         self._cores = config.cores
         self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
         self._exact = config.exact_rollback

@@ -23,8 +23,9 @@ so a returned state dict never changes, while the steady state reuses warm pages
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import itertools
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,10 @@ from typing import Any
 import torch
 
 from .._errors import OptimizerError
-from .._runtime.bridge import Bridge
-from .._runtime.threads import mark_retrieved
+from .._runtime.core import WorkerCore
+from .._runtime.threads import mark_retrieved, running_future
 from ._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
-from ._subgroups import Registry, SubGroup, group_config
+from ._subgroups import Registry, group_config
 
 __all__ = ["FORMAT", "LoadPlan", "StateTransfer", "parse"]
 
@@ -50,137 +51,161 @@ def _uses(tensor: torch.Tensor) -> int:
     return _use_count(tensor.untyped_storage()._cdata)
 
 
+class _Baseline:
+    """The storage's use count of a new buffer, taken when the allocation's reply arrives
+    (before anyone can make a view of it). A callable of its own, not a method of the
+    buffer: a concurrent future keeps its callbacks, and a cycle between the buffer and its
+    future would keep the mapping (an fd) alive until a collection."""
+
+    __slots__ = ("uses",)
+
+    def __init__(self) -> None:
+        self.uses = 0
+
+    def __call__(self, future: concurrent.futures.Future[torch.Tensor]) -> None:
+        if future.exception() is None:
+            self.uses = _uses(future.result())
+
+
+def _ignore(value: object, error: BaseException | None) -> None:
+    """The callback of a call whose outcome nobody needs (a failed Release only leaks a buffer)."""
+
+
 class _Buffer:
-    """One shared state buffer: the trainer's mapping, and who still needs it."""
+    """One shared state buffer: the trainer's mapping, and who still needs it.
+
+    ``busy`` is guarded by the transfer's lock; ``baseline`` holds the storage's use count
+    with no view of it alive.
+    """
 
     __slots__ = ("baseline", "busy", "id", "numel", "tensor")
 
-    def __init__(self, buffer_id: int, numel: int, tensor: asyncio.Future[torch.Tensor]) -> None:
+    def __init__(
+        self, buffer_id: int, numel: int, tensor: concurrent.futures.Future[torch.Tensor]
+    ) -> None:
         self.id = buffer_id
         self.numel = numel
         self.tensor = tensor
         self.busy = 1  # claimed by whoever allocated it
-        self.baseline = 0
-        tensor.add_done_callback(self._mapped)
-
-    def _mapped(self, future: asyncio.Future[torch.Tensor]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self.baseline = _uses(future.result())
+        self.baseline = _Baseline()
+        tensor.add_done_callback(self.baseline)
 
     def free(self) -> bool:
         """Nobody uses it: no call in flight, no tensor of a returned state dict alive."""
         if self.busy or not self.tensor.done() or self.tensor.exception() is not None:
             return False
-        return _uses(self.tensor.result()) <= self.baseline
-
-    def hold(self, future: asyncio.Future[Any]) -> None:
-        """Keep the buffer busy until ``future`` is done."""
-        self.busy += 1
-
-        def release(_: object) -> None:
-            self.busy -= 1
-
-        future.add_done_callback(release)
+        return _uses(self.tensor.result()) <= self.baseline.uses
 
 
 class StateTransfer:
-    """Snapshots and loads of the worker's state through a pool of shared buffers."""
+    """Snapshots and loads of the worker's state through a pool of shared buffers.
+
+    Thread-safe: a snapshot is sent from any thread and built on the core's reader thread
+    when its reply arrives; a load runs on a thread that may block.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[int, _Buffer] = {}
         self._ids = itertools.count()
+        self._lock = threading.Lock()
 
-    def _acquire(self, bridge: Bridge, numel: int) -> _Buffer:
+    def _acquire(self, worker: WorkerCore, numel: int) -> _Buffer:
         """A claimed buffer of at least ``numel`` floats; the caller unclaims it."""
-        free = [b for b in self._buffers.values() if b.free()]
-        fits = [b for b in free if b.numel >= numel]
-        chosen = min(fits, key=lambda b: b.numel) if fits else None
-        for buffer in free:
-            if buffer is not chosen:  # keep one idle buffer at most
-                self._forget(bridge, buffer)
-        if chosen is not None:
-            chosen.busy += 1
-            return chosen
-        buffer_id = next(self._ids)
-        future = bridge.call(Allocate(buffer_id, numel))
-        future.add_done_callback(mark_retrieved)  # a failed allocation fails the call after it
-        buffer = self._buffers[buffer_id] = _Buffer(buffer_id, numel, future)
-        return buffer
+        with self._lock:
+            free = [b for b in self._buffers.values() if b.free()]
+            fits = [b for b in free if b.numel >= numel]
+            chosen = min(fits, key=lambda b: b.numel) if fits else None
+            for buffer in free:
+                if buffer is not chosen:  # keep one idle buffer at most
+                    self._forget(worker, buffer)
+            if chosen is not None:
+                chosen.busy += 1
+                return chosen
+            buffer_id = next(self._ids)
+            future = worker.submit(Allocate(buffer_id, numel))
+            future.add_done_callback(mark_retrieved)  # a failed allocation fails the call after it
+            buffer = self._buffers[buffer_id] = _Buffer(buffer_id, numel, future)
+            return buffer
 
-    def _forget(self, bridge: Bridge, buffer: _Buffer) -> None:
+    def _forget(self, worker: WorkerCore, buffer: _Buffer) -> None:
         self._buffers.pop(buffer.id, None)
-        if not bridge.dead:
-            bridge.call(Release(buffer.id)).add_done_callback(mark_retrieved)
+        if worker.death is None:
+            worker.submit_callback(Release(buffer.id), _ignore)
+
+    def _hold(self, buffer: _Buffer, future: concurrent.futures.Future[Any]) -> None:
+        """Keep ``buffer`` busy until ``future`` is done (whoever waits for it, or nobody)."""
+        with self._lock:
+            buffer.busy += 1
+
+        def release(_: object) -> None:
+            self._unclaim(buffer)
+
+        future.add_done_callback(release)
+
+    def _unclaim(self, buffer: _Buffer) -> None:
+        with self._lock:
+            buffer.busy -= 1
 
     def clear(self) -> None:
         """Drop every buffer (the worker is gone or going)."""
-        self._buffers.clear()
+        with self._lock:
+            self._buffers.clear()
 
-    async def snapshot(
-        self, bridge: Bridge, subgroups: Mapping[tuple[int, int], SubGroup]
-    ) -> dict[str, Any]:
-        """Send the snapshot now (it covers every step sent before) and build the state dict."""
-        keys = sorted(subgroups)
-        numels = [subgroups[key].numel for key in keys]
-        total = 2 * sum(numels)
-        buffer = self._acquire(bridge, total) if total else None
-        reply = bridge.call(Snapshot(-1 if buffer is None else buffer.id, tuple(keys)))
-        if buffer is None:
-            return _state_dict(await reply, keys, numels, torch.empty(0))
-        buffer.hold(reply)  # busy until the worker wrote it, even if this wait is cancelled
-        try:
-            info = await reply
-            # Still claimed here: the views exist before anyone else may take the buffer.
-            state = _state_dict(info, keys, numels, buffer.tensor.result())
-        finally:
-            buffer.busy -= 1
-        if _use_count is None:
-            self._forget(bridge, buffer)  # cannot tell when it is free: never reuse it
+    def snapshot(
+        self, worker: WorkerCore, registry: Registry
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """Send the snapshot now (it covers every step sent before) and return the future
+        of the state dict, which the reply builds on the core's reader thread."""
+        with registry.lock:  # no registration between the listing and the call
+            keys = sorted(registry.subgroups)
+            numels = [registry.subgroups[key].numel for key in keys]
+            total = 2 * sum(numels)
+            buffer = self._acquire(worker, total) if total else None
+            try:
+                reply = worker.submit(Snapshot(-1 if buffer is None else buffer.id, tuple(keys)))
+            except BaseException:
+                if buffer is not None:
+                    self._unclaim(buffer)
+                raise
+        state: concurrent.futures.Future[dict[str, Any]] = running_future()
+
+        def built(reply: concurrent.futures.Future[StateInfo]) -> None:
+            try:
+                flat = torch.empty(0) if buffer is None else buffer.tensor.result()
+                # Still claimed here: the views exist before anyone else may take the buffer.
+                state.set_result(_state_dict(reply.result(), keys, numels, flat))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the state
+                state.set_exception(exc)
+            finally:
+                if buffer is not None:
+                    self._unclaim(buffer)
+                    if _use_count is None:  # cannot tell when it is free: never reuse it
+                        with self._lock:
+                            self._forget(worker, buffer)
+
+        reply.add_done_callback(built)
         return state
 
-    async def load_state_dict(
-        self, bridge: Bridge, state_dict: object, groups: int, registry: Registry
-    ) -> tuple[GroupConfig, ...]:
-        """Check ``state_dict``, load it into the worker and return its param groups.
-
-        ``groups`` is the number of param groups; the moments are staged on the
-        ``registry``'s thread, and the state of sub-groups it does not hold yet is noted
-        there, for their registration to check.
-        """
-        registered = {key: sub.numel for key, sub in registry.subgroups.items()}
-        plan = parse(state_dict, groups, registered)
-        await self.load(bridge, plan, registry.thread())
-        registry.loaded = {
-            (gid, sid): numel
-            for gid, sid, numel, *_ in plan.entries
-            if (gid, sid) not in registered
-        }
-        return plan.groups
-
-    async def load(self, bridge: Bridge, plan: LoadPlan, executor: Any) -> None:
-        """Stage ``plan``'s moments in a buffer (on ``executor``), then load them at once."""
+    def load(self, worker: WorkerCore, plan: LoadPlan) -> None:
+        """Stage ``plan``'s moments in a buffer, then load them at once; blocking (a thread's)."""
         total = 2 * sum(entry[2] for entry in plan.entries)
-        buffer = self._acquire(bridge, total) if total else None
+        buffer = self._acquire(worker, total) if total else None
         try:
             if buffer is not None:
-                flat = await asyncio.shield(buffer.tensor)
-                loop = asyncio.get_running_loop()
-                copied = loop.run_in_executor(executor, plan.copy_into, flat)
-                buffer.hold(copied)
-                await copied
+                plan.copy_into(buffer.tensor.result())
             call = Load(
                 -1 if buffer is None else buffer.id,
                 tuple(entry[:4] for entry in plan.entries),
                 plan.groups,
                 plan.kernel,
             )
-            reply = bridge.call(call)
+            reply = worker.submit(call)
             if buffer is not None:
-                buffer.hold(reply)
-            await reply
+                self._hold(buffer, reply)
+            reply.result()
         finally:
             if buffer is not None:
-                buffer.busy -= 1
+                self._unclaim(buffer)
 
 
 def _group_dict(group: GroupConfig) -> dict[str, Any]:

@@ -2,31 +2,56 @@
 
 A sub-group is registered once (its param and grad move to shared memory in place and
 are handed to the worker); :class:`SubGroup` remembers which memory that was, so a
-later submit can take the fast path when the caller passes the very same tensors.
+later submit, from any thread, can take the fast path when the caller passes the very
+same tensors. :class:`Registry` holds them, safe for every thread of the trainer.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from .._errors import OptimizerError
-from .._runtime.bridge import Bridge
-from .._runtime.threads import DaemonThreadExecutor, mark_retrieved
+from .._runtime.core import WorkerCore
+from .._runtime.threads import mark_retrieved
 from ._calls import GROUP_KEYS, GroupConfig, Register
 
 __all__ = [
+    "BACKENDS",
     "Registry",
     "SubGroup",
+    "check_options",
+    "check_registered",
     "check_tensor",
     "group_config",
     "share",
     "valid_lr",
     "validate",
 ]
+
+
+BACKENDS = ("auto", "deepspeed", "torch")
+
+
+def check_options(
+    param_groups: Sequence[Mapping[str, object]] | Mapping[str, object],
+    backend: str,
+    worker_cores: float | None,
+) -> tuple[GroupConfig, ...]:
+    """Validate the optimizer's arguments; its param groups as GroupConfigs."""
+    if isinstance(param_groups, Mapping):
+        param_groups = [param_groups]
+    if not param_groups:
+        raise OptimizerError("CPUAdam needs at least one param group")
+    if backend not in BACKENDS:
+        raise OptimizerError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
+        raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
+    return tuple(group_config(i, group) for i, group in enumerate(param_groups))
 
 
 def group_config(index: int, group: Mapping[str, object]) -> GroupConfig:
@@ -85,7 +110,10 @@ def valid_lr(lr: object) -> bool:
 
 
 class SubGroup:
-    """A registered sub-group: the caller's tensors and the shared memory the worker maps."""
+    """A registered sub-group: the caller's tensors and the shared memory the worker maps.
+
+    ``in_flight`` (its steps sent and not answered) is guarded by the outcomes' lock.
+    """
 
     __slots__ = ("grad", "grad_buffer", "grad_ptr", "in_flight", "numel", "param", "param_ptr")
 
@@ -143,15 +171,21 @@ def validate(
     if lr is not None and not valid_lr(lr):
         raise OptimizerError(f"{where}: lr must be a finite float >= 0 or None, got {lr!r}")
     known = registered.get((group_id, subgroup_id))
-    if known is not None and not known.is_param(param_t):
+    if known is not None:
+        check_registered(known, group_id, subgroup_id, param_t)
+    return param_t, grad_t
+
+
+def check_registered(known: SubGroup, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
+    """Refuse a ``param`` that is not the memory sub-group ``known`` registered."""
+    if not known.is_param(param):
         raise OptimizerError(
-            f"{where}: param is not the memory registered on its first submit (a "
-            f"tensor of {known.numel} elements; re-pointing it with `.set_()` or "
-            "`.data =` counts as another tensor): the worker updates that memory in "
-            "place. Copy new values into it (`registered.copy_(new)`), or use a new "
+            f"sub-group {subgroup_id} of group {group_id}: param is not the memory registered "
+            f"on its first submit (a tensor of {known.numel} elements; re-pointing it with "
+            "`.set_()` or `.data =` counts as another tensor): the worker updates that memory "
+            "in place. Copy new values into it (`registered.copy_(new)`), or use a new "
             "sub-group id"
         )
-    return param_t, grad_t
 
 
 def share(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -166,33 +200,28 @@ def share(param: torch.Tensor, grad: torch.Tensor) -> None:
         ) from exc
 
 
-def _nothing() -> None:
-    return None
-
-
 class Registry:
     """The sub-groups registered with one worker, and the loaded state waiting for others.
 
-    It also owns the thread that moves their tensors to shared memory off the event loop.
+    Thread-safe: :attr:`subgroups` is read without a lock (a dict lookup is atomic) and
+    written under :attr:`lock`, which also guards :attr:`loaded` and :attr:`loading`. A
+    registration sends its ``Register`` call under the lock and publishes the sub-group
+    after it, so any thread that finds a sub-group sends its steps behind its registration.
+    The core's reader thread never takes this lock.
     """
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.subgroups: dict[tuple[int, int], SubGroup] = {}
         self.loaded: dict[tuple[int, int], int] = {}  # numel of loaded, unregistered sub-groups
-        self._thread: DaemonThreadExecutor | None = None
+        self.loading = False  # a load_state_dict() is in progress: no submit, no registration
 
-    def thread(self) -> DaemonThreadExecutor:
-        """The copying thread (started on first use)."""
-        if self._thread is None:
-            self._thread = DaemonThreadExecutor("aoffload-cpu-adam-register")
-        return self._thread
-
-    async def close(self) -> None:
-        """Wait out a copy still running, stop the thread and forget every sub-group."""
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(self._thread, _nothing)
-            self._thread.shutdown(wait=True)
-        self.subgroups.clear()
+    def check_not_loading(self) -> None:
+        """Refuse a submit or a registration while a state is being loaded."""
+        if self.loading:
+            raise OptimizerError(
+                "load_state_dict() is in progress: await it before submitting or registering"
+            )
 
     def check_loaded(self, group_id: int, subgroup_id: int, param: torch.Tensor) -> None:
         """Refuse a sub-group whose size differs from the state loaded for it."""
@@ -204,41 +233,31 @@ class Registry:
             )
 
     def register(
-        self,
-        bridge: Bridge,
-        group_id: int,
-        subgroup_id: int,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> asyncio.Future[None]:
-        """Record the sub-group and hand its shared tensors to the worker."""
-        self.loaded.pop((group_id, subgroup_id), None)
-        self.subgroups[group_id, subgroup_id] = SubGroup(param, grad)
-        future = bridge.call(Register(group_id, subgroup_id, param.detach(), grad.detach()))
-        future.add_done_callback(mark_retrieved)  # a failed register fails its first step
-        return future
+        self, worker: WorkerCore, key: tuple[int, int], param: torch.Tensor, grad: torch.Tensor
+    ) -> tuple[SubGroup, concurrent.futures.Future[None] | None]:
+        """Hand the shared ``param`` and ``grad`` to the worker as sub-group ``key``.
 
-    def prepare(
-        self,
-        bridge: Bridge,
-        key: tuple[int, int],
-        sub: SubGroup | None,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> tuple[SubGroup, asyncio.Future[None] | None]:
-        """Register a new sub-group, or copy a caller's other grad into the registered one."""
-        group_id, subgroup_id = key
-        register: asyncio.Future[None] | None = None
-        if sub is None:
-            self.check_loaded(group_id, subgroup_id, param)
-            share(param, grad)
-            register = self.register(bridge, group_id, subgroup_id, param, grad)
-            sub = self.subgroups[key]
-        elif not sub.is_grad(grad):
-            if sub.in_flight:
-                raise OptimizerError(
-                    f"sub-group {subgroup_id} of group {group_id} has a step in flight; pass "
-                    "its registered grad tensor, or wait for the result before passing another"
-                )
-            sub.grad_buffer.copy_(grad)
-        return sub, register
+        Returns the sub-group and the future of its ``Register`` call, or the sub-group
+        another thread registered meanwhile and ``None``.
+        """
+        with self.lock:
+            known = self.subgroups.get(key)
+            if known is not None:
+                return known, None
+            self.check_not_loading()
+            self.check_loaded(*key, param)
+            future = worker.submit(Register(*key, param.detach(), grad.detach()))
+            future.add_done_callback(mark_retrieved)  # a failed register fails its first step
+            self.loaded.pop(key, None)
+            sub = self.subgroups[key] = SubGroup(param, grad)
+            return sub, future
+
+    def numels(self) -> dict[tuple[int, int], int]:
+        """The registered sub-groups' sizes (call under :attr:`lock`)."""
+        return {key: sub.numel for key, sub in self.subgroups.items()}
+
+    def clear(self) -> None:
+        """Forget every sub-group (the worker is gone)."""
+        with self.lock:
+            self.subgroups = {}
+            self.loaded = {}

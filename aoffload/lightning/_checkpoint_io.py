@@ -1,0 +1,342 @@
+"""Lightning's ``CheckpointIO`` backed by aoffload's checkpoint engine.
+
+Lightning calls ``save_checkpoint(checkpoint, path)`` synchronously from its training
+loop, which runs no event loop, so :class:`AsyncCheckpointIO` drives
+:class:`~aoffload.checkpoint._core.EngineCore` directly from Lightning's thread (as the
+DeepSpeed adapter does): no event loop anywhere, no thread running one.
+
+The files live in an aoffload checkpoint directory next to them, ``<dir>/.aoffload/``:
+one tag per save, named after the file, holding it under its own name::
+
+    <dir>/.aoffload/<tag>/epoch=0-step=10.ckpt     a plain torch.save file, in the manifest
+    <dir>/epoch=0-step=10.ckpt -> .aoffload/<tag>/epoch=0-step=10.ckpt
+
+The link at ``path`` is created (atomically, by ``os.replace``) only once the tag is
+durable and published, so whatever ``path`` holds is complete: the previous checkpoint,
+the new one, or nothing, never half a file. ``torch.load(path)`` reads it without
+aoffload.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from .._errors import AoffloadError, CheckpointError, ClosedError
+from .._runtime.threads import running_future
+from ..checkpoint import _format
+from ..checkpoint._core import EngineCore
+from ..checkpoint._load import MapLocation, in_writer, load_file, temporary_loader
+from ..checkpoint._pipeline import Unloadable
+
+__all__ = ["AsyncCheckpointIO"]
+
+logger = logging.getLogger(__name__)
+
+STORE = ".aoffload"
+"""The aoffload checkpoint directory next to the checkpoints, holding their files."""
+_LINK_SUFFIX = ".aoffload-link"
+
+
+def _local(path: object) -> Path:
+    text = os.fspath(path)  # type: ignore[call-overload]
+    if "://" in str(text):
+        raise CheckpointError(
+            f"{text}: aoffload.lightning.AsyncCheckpointIO writes local paths only"
+        )
+    return Path(os.path.abspath(text))
+
+
+def _link(path: Path, target: Path, durable: bool) -> None:
+    """Make ``path`` a symbolic link to ``target`` atomically (a temporary, then replace)."""
+    temporary = path.with_name(f".{path.name}{_LINK_SUFFIX}")
+    temporary.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, path.parent), temporary)
+    os.replace(temporary, path)
+    if durable:
+        _format.fsync_path(path.parent)
+
+
+class _Store:
+    """One ``<dir>/.aoffload`` and its engine: the saves and removals in flight there."""
+
+    def __init__(self, parent: Path, options: dict[str, Any]) -> None:
+        self.parent = parent
+        self.root = parent / STORE
+        self.durable = bool(options["durable"])
+        self.engine = EngineCore(self.root, **options)
+        self.engine.start()
+        self.pending: dict[Path, str] = {}  # path -> the tag it will link to
+        self.work: list[concurrent.futures.Future[Any]] = []
+
+    def tag_for(self, name: str) -> str:
+        """A tag for a new save of file ``name``: the name, made unique."""
+        taken = set(self.engine.tags.open_tags())
+        tag, n = name, 0
+        while tag in taken or self.engine.catalog.committed(tag):
+            n += 1
+            tag = f"{name}~{n}"
+        return _format.validate_tag(tag)
+
+    def tag_of(self, path: Path) -> str | None:
+        """The tag ``path`` is (or will be) this store's link to, or ``None``."""
+        if path in self.pending:
+            return self.pending[path]
+        if not path.is_symlink():
+            return None
+        target = Path(os.path.normpath(path.parent / os.readlink(path)))
+        if target.parent.parent == self.root and target.name == path.name:
+            return target.parent.name
+        return None
+
+    def track(self, future: concurrent.futures.Future[Any]) -> None:
+        self.work = [f for f in self.work if not f.done() or f.exception() is not None]
+        self.work.append(future)
+
+    def failure(self) -> BaseException | None:
+        """The first failure of the work in flight (forgotten once returned)."""
+        for future in self.work:
+            if future.done() and future.exception() is not None:
+                self.work.remove(future)
+                return future.exception()
+        return None
+
+    def wait(self, timeout: float) -> None:
+        """Block until every save and removal in flight has ended (at most ``timeout`` s)."""
+        _, late = concurrent.futures.wait(self.work, timeout=timeout)
+        if late:
+            raise CheckpointError(
+                f"waited {timeout} s for the checkpoints in flight in {self.parent} to become "
+                "durable; they are still being written"
+            )
+
+
+class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
+    """A Lightning ``CheckpointIO`` that saves in the background, from an exact snapshot.
+
+    ``Trainer(plugins=[AsyncCheckpointIO()])``. ``save_checkpoint`` copies every tensor of
+    the checkpoint into staging memory on aoffload's threads (GIL-free, in parallel; CUDA
+    tensors through pinned memory) and returns once the copy is complete: Lightning's next
+    optimizer step cannot change what is saved. Serialising, writing, fsyncing and
+    publishing then run in aoffload's writer process and commit thread while training
+    goes on. ``path`` becomes a link to the durable file only once it is complete (see
+    the module's documentation), so a crash never leaves a half-written checkpoint where
+    Lightning looks. ``load_checkpoint`` verifies the file against its manifest (size and
+    xxh3-64) before loading it; ``remove_checkpoint`` (``ModelCheckpoint``'s
+    ``save_top_k``) deletes a checkpoint only after the checkpoints saved before the call
+    are durable, and keeps it if one of them failed.
+
+    Each directory gets its aoffload directory ``<dir>/.aoffload`` and a writer process,
+    started on its first save; ``teardown()`` (Lightning calls it when ``fit`` ends) waits
+    until everything is durable and stops them. A failed background save raises from
+    the next call. The options go to :class:`aoffload.CheckpointEngine`; ``commit_timeout``
+    bounds how long a load waits for saves in flight. Lightning's own retention
+    (``save_top_k``) decides what is kept, so there is no ``keep_last``.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1,
+        durable: bool = True,
+        start_timeout: float = 60.0,
+        close_timeout: float = 30.0,
+        commit_timeout: float = 300.0,
+        unloadable: Unloadable = "warn",
+    ) -> None:
+        super().__init__()
+        self._options: dict[str, Any] = {
+            "max_pending": max_pending,
+            "durable": durable,
+            "start_timeout": start_timeout,
+            "close_timeout": close_timeout,
+            "unloadable": unloadable,
+        }
+        self._timeout = commit_timeout
+        self._stores: dict[Path, _Store] = {}
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of the first running writer (one per directory), else ``None``."""
+        for store in self._stores.values():
+            if store.engine.pid is not None:
+                return store.engine.pid
+        return None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _store(self, parent: Path) -> _Store:
+        store = self._stores.get(parent)
+        if store is None:
+            store = self._stores[parent] = _Store(parent, self._options)
+            logger.debug("checkpoint writer started for %s (pid %s)", parent, store.engine.pid)
+        return store
+
+    def _raise_failed(self) -> None:
+        for store in self._stores.values():
+            error = store.failure()
+            if error is not None:
+                raise error
+
+    def _commit(self, store: _Store, path: Path, tag: str, checkpoint: dict[str, Any]) -> None:
+        metadata = {"lightning_path": path.name}
+        for key in ("epoch", "global_step"):
+            if isinstance(checkpoint.get(key), int):
+                metadata[key] = checkpoint[key]
+        commit = store.engine.commit(tag, True, metadata)
+        store.engine.tags.commit_seen(commit)  # raised by this plugin, not by the engine
+        linked: concurrent.futures.Future[None] = running_future()
+        store.pending[path] = tag
+
+        def link(done: concurrent.futures.Future[Any]) -> None:  # the commit thread
+            try:
+                error = done.exception()
+                if error is None:
+                    target = store.root / tag / path.name
+                    _link(path, target, store.durable)
+            except BaseException as exc:  # noqa: BLE001 - raised by the plugin's next call
+                error = exc
+            finally:
+                if store.pending.get(path) == tag:
+                    del store.pending[path]
+            if error is None:
+                linked.set_result(None)
+            else:
+                linked.set_exception(error)
+
+        store.track(linked)
+        commit.add_done_callback(link)
+
+    # -- Lightning's CheckpointIO interface ----------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        """Snapshot ``checkpoint`` for ``path``; return once copied, durable in the background.
+
+        Returns when every tensor is copied into staging memory (the fence: training may
+        modify them from then on); the file is written, fsynced and published, and
+        ``path`` linked to it, in the background. Raises the failure of an earlier save,
+        :class:`InvalidStateError` for what cannot be saved.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "AsyncCheckpointIO.save_checkpoint() takes no storage_options; "
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported"
+            )
+        self._raise_failed()
+        path = _local(path)
+        store = self._store(path.parent)
+        tag = store.tag_for(path.name)
+        job = store.engine.stage(checkpoint, path.name, tag)
+        if job is None:  # pragma: no cover - the plugin's engines always write
+            raise ClosedError("the checkpoint engine has no writer")
+        started = time.perf_counter()
+        try:
+            job.staged.result()
+        except BaseException as exc:
+            store.engine.tags.seen(job, exc)
+            raise
+        store.engine.seal(job)  # the exact snapshot: nothing modified since stage()
+        logger.debug("%s staged in %.3f s", path, time.perf_counter() - started)
+        self._commit(store, path, tag, checkpoint)
+
+    def load_checkpoint(
+        self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load ``path``, verified against its manifest, once the saves in flight are durable.
+
+        ``weights_only=None`` (Lightning's default) and ``True`` load with
+        ``torch.load(weights_only=True)``; ``False`` is the caller's opt-in for a file it
+        trusts. A file this plugin did not write (no link into an aoffload directory) is
+        loaded as Lightning's ``TorchCheckpointIO`` loads it, without verification.
+        Raises ``FileNotFoundError`` when ``path`` does not exist,
+        :class:`CorruptCheckpointError` naming the file on a mismatch.
+        """
+        self._raise_failed()
+        path = _local(path)
+        store = self._stores.get(path.parent)
+        if store is not None:
+            store.wait(self._timeout)
+            self._raise_failed()
+        target = Path(os.path.realpath(path))
+        root = target.parent.parent
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if root.name != STORE or not (target.parent / _format.MANIFEST).is_file():
+            loaded: dict[str, Any] = torch.load(
+                path, map_location=map_location, weights_only=weights_only is not False
+            )
+            return loaded
+        owner = self._stores.get(root.parent)
+        remote = in_writer(owner.engine.writer) if owner is not None else temporary_loader
+        state: dict[str, Any] = load_file(
+            root,
+            target.name,
+            target.parent.name,
+            map_location,
+            True,
+            remote,
+            weights_only is not False,
+        )
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete ``path``'s checkpoint once the checkpoints saved before are durable.
+
+        The link at ``path`` goes first, then the tag it names, on the engine's commit
+        thread after the saves in flight; if one of them failed, both are kept. A path
+        this plugin did not write is removed at once, as Lightning's ``TorchCheckpointIO``
+        does.
+        """
+        self._raise_failed()
+        path = _local(path)
+        store = self._stores.get(path.parent)
+        tag = store.tag_of(path) if store is not None else None
+        if tag is None and path.is_symlink():
+            target = Path(os.path.normpath(path.parent / os.readlink(path)))
+            if target.parent.parent == path.parent / STORE:  # a link of an earlier run
+                store = self._store(path.parent)
+                tag = store.tag_of(path)
+        if store is None or tag is None:
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                _format.remove_tree(path)
+            return
+
+        def unlink(store: _Store = store, tag: str = tag) -> None:  # the commit thread
+            if store.tag_of(path) == tag and path.is_symlink():
+                path.unlink()
+                if store.durable:
+                    _format.fsync_path(path.parent)
+
+        store.track(store.engine.remove(tag, unlink))
+
+    def teardown(self) -> None:
+        """Wait until every save is durable and linked, then stop the writers.
+
+        Raises the first failure of a background save that was not raised before.
+        """
+        stores, self._stores = list(self._stores.values()), {}
+        failures: list[BaseException] = []
+        for store in stores:
+            try:
+                concurrent.futures.wait(store.work)
+                error = store.failure()
+                if error is not None:
+                    failures.append(error)
+            finally:
+                try:
+                    store.engine.close()
+                except AoffloadError as exc:
+                    failures.append(exc)
+        if failures:
+            raise failures[0]
