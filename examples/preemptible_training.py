@@ -49,8 +49,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :8].sin()
 
 
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -80,7 +80,7 @@ async def train(args: argparse.Namespace, rank: int, distributed: bool) -> None:
             saved = await engine.load(name)
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optim"])
-            start = saved["step"]  # (commit metadata will carry the step once it exists)
+            start = engine.metadata()["step"]  # committed with the checkpoint
             print(
                 f"rank {rank}: resumed at step {start} digest {digest(model, optimizer)}",
                 flush=True,
@@ -97,8 +97,9 @@ async def train(args: argparse.Namespace, rank: int, distributed: bool) -> None:
             time.sleep(args.step_seconds)  # noqa: ASYNC251 - a step waiting for its accelerator
             if await notice.reached(step):  # <- the same step on every rank
                 started = time.perf_counter()
-                await engine.save(snapshot(model, optimizer, step), name, tag=f"step-{step}")
-                await engine.commit(f"step-{step}")  # durable on every rank when it returns
+                await engine.save(snapshot(model, optimizer), name, tag=f"step-{step}")
+                # durable on every rank when it returns
+                await engine.commit(f"step-{step}", metadata={"step": step})
                 print(
                     f"rank {rank}: preempted ({notice.signal.name if notice.signal else 'peer'})"
                     f" at step {step}, committed in {time.perf_counter() - started:.2f} s, "
@@ -107,8 +108,8 @@ async def train(args: argparse.Namespace, rank: int, distributed: bool) -> None:
                 )
                 return  # the engine closes, the handlers are restored: exit 0
             if step % args.save_every == 0:  # periodic checkpoints, as usual
-                await engine.save(snapshot(model, optimizer, step), name, tag=f"step-{step}")
-                engine.commit_soon(f"step-{step}")
+                await engine.save(snapshot(model, optimizer), name, tag=f"step-{step}")
+                engine.commit_soon(f"step-{step}", metadata={"step": step})
                 print(
                     f"rank {rank}: saved step {step} digest {digest(model, optimizer)}", flush=True
                 )
