@@ -143,7 +143,7 @@ def no_tracebacks(ranks: list[Rank]) -> None:
 
 @pytest.mark.parametrize(
     ("world", "rounds", "seed"),
-    [(2, ["TERM", "USR1", "TERM"], 0), (1, ["TERM", "USR1"], 1)],
+    [(2, ["TERM", "USR1", "TERM"], 0), (2, ["TERM", "TERM"], 4), (1, ["TERM", "USR1"], 1)],
 )
 def test_a_signal_at_a_random_moment_saves_one_step_everywhere_and_resumes_exactly(
     tmp_path: Path, jobs: list[list[Rank]], world: int, rounds: list[str], seed: int
