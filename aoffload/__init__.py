@@ -26,6 +26,7 @@ from ._runtime.loops import run as run
 if _typing.TYPE_CHECKING:
     from .checkpoint import CheckpointEngine as CheckpointEngine
     from .checkpoint import CommitResult as CommitResult
+    from .checkpoint import PreemptionNotice as PreemptionNotice
     from .checkpoint import Staged as Staged
     from .checkpoint import load_checkpoint as load_checkpoint
     from .checkpoint import load_metadata as load_metadata
@@ -37,7 +38,14 @@ if _typing.TYPE_CHECKING:
 else:
     _LAZY = {
         **dict.fromkeys(
-            ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint", "load_metadata"),
+            (
+                "CheckpointEngine",
+                "CommitResult",
+                "PreemptionNotice",
+                "Staged",
+                "load_checkpoint",
+                "load_metadata",
+            ),
             ".checkpoint",
         ),
         **dict.fromkeys(
@@ -70,6 +78,7 @@ __all__ = (
     "InvalidStateError",
     "OffloadAdam",
     "OptimizerError",
+    "PreemptionNotice",
     "RemoteError",
     "Staged",
     "StepKind",

@@ -28,7 +28,6 @@ from .services.echo import (
     EchoConfig,
     EchoLarge,
     Exit,
-    IgnoreTerm,
     Log,
     Pid,
     Print,
@@ -269,11 +268,10 @@ async def test_close_drains_requests_already_sent() -> None:
     assert bridge.exitcode == 0
 
 
-async def test_shutdown_ladder_terminates_then_kills_a_stuck_worker() -> None:
+async def test_shutdown_ladder_kills_a_stuck_worker_after_close_timeout() -> None:
     bridge = Bridge(TARGET, name="stuck", close_timeout=0.3)
     await bridge.start()
     pid = bridge.pid
-    await bridge.request(IgnoreTerm())
     stuck = bridge.call(Sleep(60))
     started = time.perf_counter()
     await bridge.aclose()

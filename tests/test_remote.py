@@ -199,7 +199,7 @@ def _watch(endpoint: S3Endpoint, url: str, stop: threading.Event, seen: list[str
             seen.append(check_complete(endpoint.objects(url)))
         except AssertionError as exc:
             seen.append(f"PARTIAL: {exc}")
-        except Exception as exc:
+        except OSError as exc:  # a read the paused endpoint timed out or refused
             seen.append(f"ERR {exc!r}")
 
 

@@ -121,7 +121,7 @@ class Bridge(AsyncResource):
             raise self.core.startup_timeout(self._start_timeout) from None
 
     async def _close(self) -> None:
-        """The core's ladder (drain, then terminate, then kill) on a thread; then release."""
+        """The core's ladder (drain, then kill) on a thread; then release."""
         try:
             await run_in_thread(self.core.stop, name=f"aoffload-{self.name}-stop")
         finally:

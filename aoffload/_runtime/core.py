@@ -19,7 +19,8 @@ instead), and a thread of the core delivers the outcome:
 The asyncio API (:class:`~.bridge.Bridge`) is a face on this core, and so are the
 synchronous DeepSpeed adapters and the checkpoint engine's threads, which use it directly.
 :meth:`WorkerCore.stop` is the shutdown ladder: a ``Shutdown`` call (queued behind the work
-already sent, so the worker drains), a bounded wait, then SIGTERM, then SIGKILL.
+already sent, so the worker drains), a bounded wait, then SIGKILL. There is no SIGTERM step:
+workers ignore SIGTERM (it is the job's signal, see :data:`.serve.JOB_SIGNALS`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ It runs on the core's reader thread (or on the thread whose call found the worke
 _Waiter = concurrent.futures.Future[Any] | Callback
 _BATCH = 256  # replies read per wake-up, at most
 _INLINE_WRITE = 1 << 16  # bytes: a bigger request is written on the sender thread
-_TERMINATE_GRACE = 5.0
 
 
 def _complete(waiter: _Waiter, value: object, error: BaseException | None) -> None:
@@ -171,7 +171,7 @@ class WorkerCore:
         """Close the worker: drain and exit if it serves, else kill; blocks (the ladder).
 
         A serving worker gets a ``Shutdown`` call behind the work already sent, then
-        ``close_timeout`` s to exit, then SIGTERM and 5 s, then SIGKILL. Whatever happens,
+        ``close_timeout`` s to exit, then SIGKILL (workers ignore SIGTERM). Whatever happens,
         the process does not outlive this call unless it outlives SIGKILL.
         """
         if not self._spawned:
@@ -184,18 +184,18 @@ class WorkerCore:
                 self._post(Shutdown(), None)
             else:
                 self._process.kill()
-            waits = ((None, self._close_timeout), ("terminate", _TERMINATE_GRACE))
-            for escalate, seconds in (*waits, ("kill", self._close_timeout)):
-                if escalate is not None:
+            for escalate in (False, True):
+                if escalate:
                     logger.warning(
-                        "the %s worker (pid %s) has not exited; sending it %s",
+                        "the %s worker (pid %s) has not exited within close_timeout=%s s; "
+                        "killing it",
                         self.name,
                         self._process.pid,
-                        escalate,
+                        self._close_timeout,
                     )
-                    getattr(self._process, escalate)()
+                    self._process.kill()
                 with contextlib.suppress(concurrent.futures.TimeoutError):
-                    self.exited.result(seconds)
+                    self.exited.result(self._close_timeout)
                     return
             logger.error("the %s worker (pid %s) outlived SIGKILL", self.name, self._process.pid)
         finally:

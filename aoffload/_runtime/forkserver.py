@@ -19,7 +19,9 @@ on the server does nothing but wait on three things:
   request pipes and exit as they always do, SIGKILLs any that remain, reaps them and exits.
 
 It never initialises CUDA (a fork after that breaks the child's CUDA), runs no torch code and
-starts no thread; it ignores SIGINT like its workers (Ctrl-C reaches the whole process group).
+starts no thread. It ignores the job's signals (:data:`.serve.JOB_SIGNALS`), and so do the
+workers it forks: Ctrl-C, torchrun's SIGTERM and a scheduler's signals reach the whole process
+group, and the trainer decides when its workers stop. The server leaves when the trainer does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import threading
 import time
 import traceback
 import warnings
+
+from .serve import ignore_job_signals
 
 __all__ = ["EXITED", "FAILED", "FORK", "FORKED", "GRACE", "HELLO", "main"]
 
@@ -216,12 +220,13 @@ class _Server:
 
 def _detach_stdio() -> None:
     # The server reads nothing and prints nothing: stdin is /dev/null (so are its
-    # workers'), stdout goes to stderr. Ctrl-C is for the trainer, which closes its workers.
+    # workers'), stdout goes to stderr. The job's signals are for the trainer, which closes
+    # its workers; the workers inherit the ignoring.
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_job_signals()
 
 
 def _refusal() -> str | None:

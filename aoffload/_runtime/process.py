@@ -11,9 +11,10 @@ this start, then the service and its configuration.
 
 It knows nothing of requests and replies (that is :mod:`.core`'s), and nothing here is
 bound to an event loop. :meth:`WorkerProcess.wait` is called by one thread only (the core's
-reader); :meth:`terminate` and :meth:`kill` by any. These are the process's signals; the
-shutdown ladder that uses them is the core's. The worker is the server's child, not the
-trainer's: its exit code comes from the server, and signals go through a pidfd.
+reader); :meth:`kill` by any. The shutdown ladder that uses it is the core's (it has no
+SIGTERM step: a worker ignores the job's signals, see :data:`.serve.JOB_SIGNALS`). The worker
+is the server's child, not the trainer's: its exit code comes from the server, and signals go
+through a pidfd.
 """
 
 from __future__ import annotations
@@ -120,11 +121,6 @@ class WorkerProcess:
     def wait(self, timeout: float | None) -> bool:
         """Block until the process has exited (at most ``timeout`` s); whether it has."""
         return self._child is None or self._child.wait(timeout)
-
-    def terminate(self) -> None:
-        """SIGTERM the process if it runs."""
-        if self._child is not None:
-            self._child.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL the process if it runs."""

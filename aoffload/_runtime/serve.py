@@ -11,6 +11,13 @@ code.
 
 A :class:`Service` dispatches each request on its type: a subclass lists its handlers
 in :meth:`Service.handlers`, one per :class:`~aoffload._runtime.protocol.Call` type.
+
+A worker ignores the signals a job's processes get from outside (:data:`JOB_SIGNALS`): Ctrl-C
+and ``kill -TERM -PGID`` reach the whole process group, torchrun forwards SIGTERM to it,
+SLURM signals every process of a step. The trainer decides when its workers stop, so a final
+checkpoint started on such a signal still lands; a worker leaves on its trainer's Shutdown,
+at EOF on its request pipe (the trainer is gone), or on SIGKILL. A trainer gone while a reply
+was on its way is that same orderly end: the worker leaves quietly, without a traceback.
 """
 
 from __future__ import annotations
@@ -33,7 +40,37 @@ from typing import Any, ClassVar
 from .inherit import StartState
 from .protocol import Call, Failure, LogEvent, Ready, Reply, Request, Shutdown, StartupFailed
 
-__all__ = ["Boot", "Handler", "Service", "run_worker", "target"]
+__all__ = [
+    "JOB_SIGNALS",
+    "Boot",
+    "Handler",
+    "Service",
+    "ignore_job_signals",
+    "run_worker",
+    "target",
+]
+
+JOB_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+"""What a terminal, a launcher (torchrun: SIGTERM, SIGINT, SIGHUP, SIGQUIT) or a scheduler
+(SLURM's ``--signal``, USR1 or USR2) sends every process of a job; a worker ignores them."""
+
+
+_GONE = (BrokenPipeError, ConnectionResetError)
+"""What writing to the reply pipe raises once the trainer has closed its end (it is gone)."""
+
+
+def ignore_job_signals() -> None:
+    """Ignore :data:`JOB_SIGNALS` in this process (a worker, or the server that forks them)."""
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
 
 Handler = Callable[[Any], object]
 """Runs one request of the type it is registered for and returns its (picklable) result."""
@@ -87,6 +124,8 @@ class _ForwardingHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self._sender.send(LogEvent(record.name, record.levelno, self.format(record)))
+        except _GONE:
+            pass  # the trainer is gone: nobody is left to read it
         except (OSError, ValueError):
             self.handleError(record)
 
@@ -106,9 +145,8 @@ def _own_stdio() -> None:
     sys.stdout.flush()
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    # Ctrl-C reaches the whole process group; the trainer decides when the worker stops,
-    # so a half-written file is never abandoned by a KeyboardInterrupt here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Inherited from the server already; said again for a worker started some other way.
+    ignore_job_signals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +211,24 @@ def _main(
         service = kind(config)
         handlers = dict(service.handlers())
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, then the worker exits
-        sender.send(StartupFailed(*_failure_fields(exc)))
+        _send(sender, StartupFailed(*_failure_fields(exc)))
         return
-    sender.send(Ready(os.getpid()))
+    if not _send(sender, Ready(os.getpid())):
+        service.close()
+        return
     try:
         _serve(handlers, requests, sender)
     finally:
         service.close()
+
+
+def _send(sender: _Sender, message: object) -> bool:
+    """Send ``message``; ``False`` if the trainer is gone."""
+    try:
+        sender.send(message)
+    except _GONE:
+        return False
+    return True
 
 
 def _serve(handlers: dict[type[Call[Any]], Handler], requests: Connection, sender: _Sender) -> None:
@@ -190,17 +239,18 @@ def _serve(handlers: dict[type[Call[Any]], Handler], requests: Connection, sende
             return  # the trainer is gone: nobody is left to serve
         call = request.call
         if type(call) is Shutdown:
-            sender.send(Reply(request.id))
+            _send(sender, Reply(request.id))
             return
         try:
             handle = handlers.get(type(call))
             if handle is None:
                 raise TypeError(f"this worker serves no {type(call).__qualname__} requests")
-            value = handle(call)
+            reply: Reply | Failure = Reply(request.id, handle(call))
         except Exception as exc:  # noqa: BLE001 - sent back as RemoteError; the worker goes on
-            sender.send(Failure(request.id, *_failure_fields(exc)))
-            continue
+            reply = Failure(request.id, *_failure_fields(exc))
         try:
-            sender.send(Reply(request.id, value))
+            if not _send(sender, reply):
+                return  # the trainer is gone while its reply was on its way
         except Exception as exc:  # noqa: BLE001 - an unpicklable result fails that request only
-            sender.send(Failure(request.id, *_failure_fields(exc)))
+            if not _send(sender, Failure(request.id, *_failure_fields(exc))):
+                return

@@ -22,6 +22,7 @@ SECTIONS = (
     "distributed",
     "offload_adam",
     "remote",
+    "preemption",
 )
 
 
@@ -139,6 +140,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _remote
 
         _remote.run(report, quick=args.quick)
+    elif section == "preemption":
+        from . import _preemption
+
+        _preemption.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
     elif section == "looplag":
         from . import _looplag
 

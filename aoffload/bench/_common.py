@@ -232,7 +232,7 @@ def format_value(value: float, unit: str) -> str:
     if unit == "ms":
         return f"{value:.3f} ms" if value < 1 else f"{value:.1f} ms"
     if unit == "us":
-        return f"{value:.0f} us"
+        return f"{value:.2f} us" if value < 10 else f"{value:.0f} us"
     return f"{value:.2f} {unit}"
 
 

@@ -13,6 +13,7 @@ The trainer's side, by role:
 - :mod:`._upload`: the remote tier (``remote=``): uploads in commit order; :mod:`._resume`:
   both tiers as one catalog, verified downloads;
   :mod:`._spread`: ranks without a shared filesystem;
+- :mod:`._preemption`: the preemption notice; :mod:`._agreement`: the ranks agreeing on its step;
 - :mod:`._load`: verified loads; :mod:`._lock`: the directory lock;
 - :mod:`._format`: the on-disk format alone (no torch): manifest, ``latest``, scan,
   publish, verify; :mod:`._inspect`: what the command line shows.
@@ -34,6 +35,7 @@ if _typing.TYPE_CHECKING:
     from ._engine import Staged as Staged
     from ._load import load_checkpoint as load_checkpoint
     from ._load import load_metadata as load_metadata
+    from ._preemption import PreemptionNotice as PreemptionNotice
 else:
     _LAZY = {
         "CommitResult": "._commit",
@@ -41,6 +43,7 @@ else:
         "Staged": "._engine",
         "load_checkpoint": "._load",
         "load_metadata": "._load",
+        "PreemptionNotice": "._preemption",
     }
 
     def __getattr__(name: str) -> object:
@@ -55,4 +58,11 @@ else:
         return sorted({*globals(), *_LAZY})
 
 
-__all__ = ("CheckpointEngine", "CommitResult", "Staged", "load_checkpoint", "load_metadata")
+__all__ = (
+    "CheckpointEngine",
+    "CommitResult",
+    "PreemptionNotice",
+    "Staged",
+    "load_checkpoint",
+    "load_metadata",
+)

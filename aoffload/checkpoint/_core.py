@@ -20,6 +20,7 @@ load thread          verify and load (:mod:`._load`); from the remote tier
 trash thread         deleting retired tags
 upload thread        with ``remote=``: each committed tag, in commit order, through
                      the uploader process (:mod:`._upload`, :mod:`.remote`)
+preemption threads   a preemption notice's announcer and watcher (:mod:`._agreement`)
 ===================  ==============================================================
 
 The tags in flight have one owner, :class:`~._tags.Tags`.
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from ._distributed import Ranks
 from ._load import MapLocation, in_writer, load_file
 from ._pipeline import Pipeline, Unloadable
 from ._plan import modified
+from ._preemption import PreemptionNotice, signal_set
 from ._ranks import first_line
 from ._resume import load_either
 from ._spread import SpreadRanks
@@ -161,6 +163,7 @@ class EngineCore:
         self._loads: DaemonThreadExecutor | None = None
         self._lock: _lock.DirectoryLock | None = None
         self._tag_bytes = _untrusted.MAX_TAG_BYTES
+        self._notice: PreemptionNotice | None = None
         self._running = False
         self._closed = False
         self._failure: str | None = None
@@ -379,6 +382,28 @@ class EngineCore:
         earlier = self.tags.commits()
         return self._commits.submit(self.catalog.remove_after, tag, earlier, before)
 
+    # -- preemption ----------------------------------------------------------------------
+
+    @property
+    def notice(self) -> PreemptionNotice | None:
+        """The preemption notice, once :meth:`preemption` made it."""
+        return self._notice
+
+    def preemption(self, signals: Iterable[int]) -> PreemptionNotice:
+        """This engine's preemption notice, listening for ``signals`` (made on first call)."""
+        self.check_running()
+        if self._notice is not None:
+            if self._notice.signals != signal_set(signals):
+                raise InvalidStateError(
+                    f"this engine's preemption notice listens for {self._notice.signals}; "
+                    "it cannot listen for other signals"
+                )
+            return self._notice
+        notice = PreemptionNotice(signals, self._ranks.rendezvous if self._ranks else None)
+        notice.start()
+        self._notice = notice
+        return notice
+
     # -- load ----------------------------------------------------------------------------
 
     def load(
@@ -438,6 +463,8 @@ class EngineCore:
         if self._closed:
             return
         self._closed, self._running = True, False
+        if self._notice is not None:
+            self._notice.close()
         open_tags = self.tags.close()
         late: set[concurrent.futures.Future[Any]] = set()
         try:

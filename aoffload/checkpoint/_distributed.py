@@ -131,6 +131,11 @@ class Ranks:
         self._last_ok: int | None = None
         self._writes = DaemonThreadExecutor("aoffload-ranks-writes")
 
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """This rank's link to the others (the preemption notice uses it too)."""
+        return self._meet
+
     def start(self) -> _format.Scan:
         """Join the other ranks (a collective, blocking); return rank 0's scan."""
         return self._meet.join()

@@ -15,7 +15,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import Coroutine, Generator, Mapping
+import signal
+from collections.abc import Coroutine, Generator, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from ._commit import CommitResult
 from ._core import EngineCore
 from ._load import MapLocation
 from ._pipeline import Unloadable
+from ._preemption import PreemptionNotice
 from ._tags import FileJob
 
 __all__ = ["CheckpointEngine", "CommitResult", "Staged"]
@@ -208,6 +210,9 @@ class CheckpointEngine(AsyncResource):
         Tags saved but never committed are discarded (logged at WARNING). Raises the
         failure of a background commit nobody saw.
         """
+        notice = self._core.notice
+        if notice is not None:
+            notice.uninstall()  # here, on the loop's thread: the main thread restores handlers
         await run_in_thread(self._core.close, name="aoffload-checkpoint-close")
 
     def check_running(self) -> None:
@@ -330,6 +335,25 @@ class CheckpointEngine(AsyncResource):
         except AoffloadError:
             self._core.tags.commit_seen(future)  # raised here: not again from the next call
             raise
+
+    # -- preemption ---------------------------------------------------------------------
+
+    def preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> PreemptionNotice:
+        """Listen for preemption ``signals``; the :class:`PreemptionNotice` that tells when to save.
+
+        ``if await notice.reached(step):`` save, commit and stop. A signal on any rank makes
+        ``reached(step)`` True on every rank at the same step, the first every rank can still
+        reach; without one it costs a lock and no collective. The handlers take effect while
+        the loop is blocked in a synchronous step (they run on the main thread: call this
+        there), only take note, and are restored when the engine closes; a second signal is
+        handed to the handler that was installed before (so it still interrupts or kills).
+        ``signals=(signal.SIGUSR1,)`` for SLURM's ``--signal``; ``signals=()`` installs none
+        (give notice with :meth:`PreemptionNotice.request`). Calling it again returns the
+        same notice. aoffload's workers ignore these signals and keep serving until the
+        engine closes, so the final checkpoint lands.
+        """
+        self.check_running()
+        return self._core.preemption(signals)
 
     # -- load ---------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ __all__ = [
     "EchoConfig",
     "EchoLarge",
     "Exit",
-    "IgnoreTerm",
     "Log",
     "Pid",
     "Print",
@@ -94,11 +92,6 @@ class CudaProbe(Call[str]):
 
 
 @dataclass(frozen=True, slots=True)
-class IgnoreTerm(Call[None]):
-    """Ignore SIGTERM from now on (tests the shutdown ladder)."""
-
-
-@dataclass(frozen=True, slots=True)
 class EchoConfig:
     """How the echo worker starts: ``fail_on_start`` raises during construction."""
 
@@ -107,7 +100,7 @@ class EchoConfig:
 
 
 class FaultyEchoService(EchoService):
-    """The echo service, plus calls that fail, print, log, exit and ignore SIGTERM."""
+    """The echo service, plus calls that fail, print, log and exit."""
 
     def __init__(self, config: EchoConfig | None) -> None:
         super().__init__()
@@ -126,7 +119,6 @@ class FaultyEchoService(EchoService):
             Log: lambda call: logger.warning("%s", call.text),
             Exit: lambda call: os._exit(call.code),
             Pid: lambda call: os.getpid(),
-            IgnoreTerm: lambda call: signal.signal(signal.SIGTERM, signal.SIG_IGN) and None,
             Describe: self._describe,
             CudaProbe: self._cuda,
         }
