@@ -77,12 +77,21 @@ class Rank:
         return found
 
 
+_JOB_VARIABLES = frozenset(
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    | {"CROSS_RANK", "CROSS_SIZE", "GROUP_RANK"}
+)
+
+
 def start(directory: Path, world: int, *extra: str) -> list[Rank]:
     """Start the job: ``world`` ranks as torchrun would (env, one process group each)."""
     port = free_port()
     ranks = []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # Not this process's own rank variables (another test may have set them): a job of
+        # one must not believe it is rank 0 of a stale process group.
+        env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+        env["PYTHONPATH"] = str(ROOT)
         if world > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
