@@ -41,12 +41,22 @@ def big_state() -> dict[str, object]:
     }
 
 
-async def test_large_non_tensor_values_load_exactly_and_leave_nothing(tmp_path: Path) -> None:
-    state = await asyncio.to_thread(big_state)  # (starts the loop's default executor)
-    # The oracle is plain torch: the same state through torch.save and torch.load.
+@pytest.fixture
+def big_and_plain(tmp_path: Path) -> tuple[dict[str, object], dict[str, object]]:
+    """A state with a large ``bytes`` value, and what plain torch.save + torch.load make of
+    it: the oracle. Built outside the event loop (a synchronous fixture): torch.load holds
+    the GIL while it unpickles the value, on whatever thread, which would stall the loop."""
+    state = big_state()
     plain = tmp_path / "plain.pt"
-    await asyncio.to_thread(torch.save, state, plain)
-    expected = await asyncio.to_thread(torch.load, plain, weights_only=True)
+    torch.save(state, plain)
+    return state, torch.load(plain, weights_only=True)
+
+
+async def test_large_non_tensor_values_load_exactly_and_leave_nothing(
+    tmp_path: Path, big_and_plain: tuple[dict[str, object], dict[str, object]]
+) -> None:
+    state, expected = big_and_plain
+    await asyncio.to_thread(len, "")  # starts the loop's default executor before the census
     before = Snapshot.take()
     async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
         await engine.save(state, "m.pt", tag="t")
