@@ -117,6 +117,7 @@ class EngineCore:
         remote: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         upload_timeout: float = 600.0,
+        early_uploads: bool = False,
     ) -> None:
         if unloadable not in ("warn", "error", "ignore"):
             raise ValueError(f"unloadable must be 'warn', 'error' or 'ignore', not {unloadable!r}")
@@ -144,6 +145,7 @@ class EngineCore:
                 storage_options,
                 keep_last=keep_last,
                 upload_timeout=upload_timeout,
+                early=early_uploads,
                 close_timeout=close_timeout,
             )
             if remote is not None
@@ -322,8 +324,12 @@ class EngineCore:
             self.tags.own(future)
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
-            if self.remote is not None:  # the files' uploads start from the commit thread
-                self._commits.submit(self.remote.follow(open_tag, future, latest, self.tags.own))
+            if self.remote is not None:
+                start_early = self.remote.follow(
+                    open_tag, future, latest, self.tags.own, self.tags.commit_seen
+                )
+                if self.remote.early:  # each file's upload starts from the commit thread
+                    self._commits.submit(start_early)
             self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
         return future
 

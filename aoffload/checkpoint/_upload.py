@@ -116,6 +116,7 @@ class RemoteTier:
         keep_last: int | None,
         upload_timeout: float,
         close_timeout: float,
+        early: bool = False,
     ) -> None:
         if not is_url(url):
             raise ValueError(f"remote must be an fsspec URL such as 's3://bucket/run', not {url!r}")
@@ -126,6 +127,8 @@ class RemoteTier:
         self.directory = directory
         self.url = redact_url(str(url))
         self.timeout = upload_timeout
+        self.early = early
+        """Whether each file's upload starts as soon as it is durable (before the commit ends)."""
         self._keep_last = keep_last
         config = UploaderConfig(str(url), dict(storage_options or {}))
         self.uploader = WorkerCore(
@@ -214,13 +217,16 @@ class RemoteTier:
         commit: concurrent.futures.Future[CommitResult],
         latest: bool,
         own: Callable[[concurrent.futures.Future[Any]], None],
+        seen: Callable[[concurrent.futures.Future[Any]], None],
     ) -> Callable[[], None]:
         """Upload ``open_tag``: each file once it is durable (:mod:`._early`), publish once
         ``commit`` succeeds; ``own`` the upload's future then. Returns what starts the
         early uploads, for the commit thread to run (it makes links: no I/O on the loop).
 
-        A failed commit fails the upload's future with the commit's error (the commit's
-        own future reports it: it is not owned twice), and what was sent is removed.
+        The upload's future is owned from the start, before anyone can wait on it, so its
+        failure is recorded before a waiter wakes. A failed commit fails it with the
+        commit's error, marked ``seen`` (the commit's own future reports it: never twice),
+        and what was sent is removed.
         """
         tag = open_tag.tag
         early = EarlyFiles(self.directory, open_tag, self.uploader)
@@ -235,12 +241,13 @@ class RemoteTier:
                     break
                 del self._futures[oldest]
 
+        own(upload)
+
         def committed(future: concurrent.futures.Future[CommitResult]) -> None:
             error = future.exception()
             if error is not None:
+                seen(upload)
                 upload.set_exception(error)
-            else:
-                own(upload)
             thread = self._thread
             try:
                 if thread is None:
