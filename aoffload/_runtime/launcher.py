@@ -47,12 +47,15 @@ _MAX_SERVERS = 3  # servers of other keys are closed (once idle) beyond this man
 _ID = struct.Struct("<Q")
 _FORKED = struct.Struct("<Qi")
 _EXITED = struct.Struct("<ii")
-# OpenMP threads that wait passively (unless the trainer's environment chose otherwise),
-# set before torch loads the OpenMP runtime: a worker's threads that spin between parallel
-# regions take the cores the trainer shares with them (a paced OffloadAdam step took 129 ms
-# with spinning workers, 31-36 ms with passive ones, on 2 cores).
+# OpenMP threads that spin less before they sleep (libgomp's default is 300,000 spins, unless
+# the trainer's environment chose a wait policy or a spin count), set before torch loads the
+# OpenMP runtime: a CPU Adam worker's threads spinning between parallel regions took the cores
+# the trainer's backward shares with them (a paced OffloadAdam step on 2 cores: 129 ms with the
+# default, 33-40 ms with 50,000; fully passive threads slowed CPUAdam's own steps instead).
 _BOOTSTRAP = (
-    "import os, sys, time; os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')\n"
+    "import os, sys, time\n"
+    "if not {{'OMP_WAIT_POLICY', 'GOMP_SPINCOUNT'}} & os.environ.keys():\n"
+    "    os.environ['GOMP_SPINCOUNT'] = '50000'\n"
     "sys.path[:] = {path!r}; t = [time.monotonic()]\n"
     "for name in {preload!r}: __import__(name); t.append(time.monotonic())\n"
     "from aoffload._runtime.forkserver import main; t.append(time.monotonic()); main(t)"
