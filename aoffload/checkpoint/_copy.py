@@ -11,9 +11,9 @@ waits for the CUDA copies (blocking on their events, without the GIL), compares 
 tensor's version counter with the one planned, and resolves the job's future.
 
 Nothing here changes torch's thread count, which would change it for the trainer too.
-The pool's threads run as background work (Linux's ``SCHED_IDLE``, through
-:func:`~.._runtime.threads.lower_priority`): while they keep every core busy copying,
-the event loop and the training step still take a core the moment they wake up.
+The pool's threads run as background work (Linux's ``SCHED_BATCH``, through
+:func:`~.._runtime.threads.background_policy`): the event loop and the training step
+preempt them when they wake up, yet on a busy host they keep a normal thread's share.
 """
 
 from __future__ import annotations
