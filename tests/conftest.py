@@ -69,9 +69,9 @@ def _frozen_heap() -> None:
 def _heap_frozen_before_each_test(_frozen_heap: None) -> None:
     """The same before each test, for what earlier tests left alive (a long session's heap
     grows): the garbage is collected here, outside any loop, and what lives on is frozen, so a
-    collection during the test (on whatever thread) only walks the test's own objects. Garbage
-    collection of a 15-minute session's heap on aoffload's reader thread stalled a test's loop
-    for 79 ms through the GIL."""
+    collection during the test (on whatever thread) only walks the test's own objects. In a
+    full run a test's loop once waited 79 ms for the GIL; such a collection on another thread
+    is the likely holder (not verified)."""
     gc.collect()
     gc.freeze()
 
