@@ -15,11 +15,13 @@ which slot, and who waits for one, is :mod:`._tags`'s.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import mmap
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +40,36 @@ ALIGN = 64
 _SHM_DIR = "/dev/shm"
 _MIN_SEGMENT = 1 << 20
 _names = itertools.count()
+
+# libc's mmap, madvise and munmap through ctypes, which releases the GIL around each call:
+# unmapping a GiB segment takes 70-180 ms, and Python's mmap.close() holds the GIL for all
+# of it. munmap also holds the process's mmap lock for writing while it clears the page
+# tables (50-60 ms of a GiB), blocking every other thread's malloc that maps memory, the
+# event loop's too; madvise(MADV_DONTNEED) clears them first under the lock read-held.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int) -> int:
+    """Map ``size`` bytes of ``fd`` read-write and shared, without the GIL; the address."""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {size} bytes of staging memory: {os.strerror(errno)}")
+    return int(address)
 
 
 def aligned(nbytes: int, to: int = ALIGN) -> int:
@@ -69,10 +101,9 @@ class Segment:
                     f"{directory}, which has {free / 2**20:.0f} MiB free ({exc.strerror}); "
                     "enlarge it (e.g. `docker run --shm-size=...`) or save smaller files"
                 ) from exc
-            # No MAP_POPULATE: mmap() holds the GIL, and populating 256 MiB took 127 ms
-            # of it. The pages are reserved above; the first copy (a GIL-free memmove)
-            # faults them in.
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            # No MAP_POPULATE: the pages are reserved above, and the first copy (a
+            # GIL-free memmove) faults them in on the copy threads.
+            self._address: int | None = _map_shared(fd, self.size)
         except BaseException:
             os.unlink(self.path)
             raise
@@ -81,9 +112,11 @@ class Segment:
         self._linked = True
         self._pinned = False
         self.used = 0
-        self.array: torch.Tensor | None = torch.from_numpy(
-            np.frombuffer(self._mmap, dtype=np.uint8)
-        )
+        buffer = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self._address))
+        # Every view of the array keeps ``buffer`` alive through the storage's deleter:
+        # while this reference is live the mapping must stay.
+        self._views = weakref.ref(buffer)
+        self.array: torch.Tensor | None = torch.from_numpy(buffer)
 
     def unlink(self) -> None:
         """Remove the name from ``/dev/shm`` (idempotent; the mappings stay valid)."""
@@ -110,12 +143,19 @@ class Segment:
         if self._pinned and array is not None:
             torch.cuda.cudart().cudaHostUnregister(array.data_ptr())  # type: ignore[no-untyped-call]
         del array
-        if self._mmap is not None:
-            mapping, self._mmap = self._mmap, None
-            try:
-                mapping.close()
-            except BufferError:
-                logger.warning("staging segment %s is still referenced; unmapped later", self.path)
+        if self._address is None:
+            return
+        if self._views() is not None:
+            # a view outlives the engine: unmapping would turn its next access into a
+            # SIGSEGV, so the mapping stays until the process exits
+            logger.warning("staging segment %s is still referenced; it stays mapped", self.path)
+            return
+        address, self._address = self._address, None
+        # the pages stay in the (shared) file: this only drops this mapping's page tables
+        _libc.madvise(address, self.size, mmap.MADV_DONTNEED)
+        if _libc.munmap(address, self.size) != 0:
+            errno = ctypes.get_errno()
+            logger.warning("munmap of staging segment %s: %s", self.path, os.strerror(errno))
 
 
 @dataclass(frozen=True, slots=True)
