@@ -378,6 +378,9 @@ def test_the_command_line_reads_a_remote_tier(
     status, out = run("verify", aoffload_s3, "--all")
     assert status == 1, out
     assert "FAILED step-1/model.pt" in out
+    status, out = run("inspect", aoffload_s3, "--tag", "step-1")  # the download is verified
+    assert status == 1, out
+    assert "the downloaded file does not match the manifest" in out
     status, out = run("clean", aoffload_s3)
     assert status == 2, out
     assert "local directory" in out

@@ -191,14 +191,21 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
 
 
 def _summarise(
-    directory: Path, tag: str, name: str, entry: dict[str, Any], weights_only: bool
+    directory: Path,
+    tag: str,
+    name: str,
+    entry: dict[str, Any],
+    weights_only: bool,
+    verify: bool = True,
 ) -> FileSummary:
+    """Load file ``name`` of ``tag`` and describe it; ``verify=False`` when the caller has
+    just verified it (a download checked as it was written), which skips reading it twice."""
     import torch
 
     summary = FileSummary(name)
     path = directory / tag / name
     try:
-        fd = _format.open_verified(directory, f"{tag}/{name}", entry, True)
+        fd = _format.open_verified(directory, f"{tag}/{name}", entry, verify)
     except CorruptCheckpointError as exc:
         summary.error = str(exc)
         return summary

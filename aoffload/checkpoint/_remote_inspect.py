@@ -111,7 +111,10 @@ def _summarise_remote(
             store.fetch(info.tag, name, info.files[name], str(target))
         except (CheckpointError, CorruptCheckpointError) as exc:
             return FileSummary(name, error=str(exc))
-        return _summarise(Path(scratch), info.tag, name, info.files[name], weights_only)
+        # fetch() verified the download against the manifest: no second read of it
+        return _summarise(
+            Path(scratch), info.tag, name, info.files[name], weights_only, verify=False
+        )
 
 
 async def inspect_tag(url: str, info: TagInfo, *, weights_only: bool = True) -> list[FileSummary]:
