@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import aoffload
 from aoffload._runtime.bridge import Bridge
 from aoffload._runtime.protocol import Call
 from aoffload._runtime.resource import State
+from aoffload._runtime.threads import DaemonThreadExecutor
 
 from ._leaks import Snapshot, child_pids
 from .conftest import LoopBlockGuard
@@ -352,3 +356,28 @@ def test_run_uses_uvloop_when_installed() -> None:
 
     pytest.importorskip("uvloop")
     assert aoffload.run(loop_module()).startswith("uvloop")
+
+
+def test_an_idle_daemon_executor_thread_holds_nothing_of_its_last_call() -> None:
+    """Its last result must not die on it later: a tensor with a hook freed by a daemon thread
+    during interpreter exit aborts the process (seen at the end of a two-rank run)."""
+
+    class Payload:
+        pass
+
+    executor = DaemonThreadExecutor("aoffload-test-idle")
+    try:
+        done = executor.submit(Payload)
+        alive = weakref.ref(done.result(timeout=10))
+        del done
+        idle = inspect.getsourcelines(DaemonThreadExecutor._run)
+        waiting_at = idle[1] + next(
+            i for i, line in enumerate(idle[0]) if "self._work.get()" in line
+        )
+        deadline = time.monotonic() + 10
+        while sys._current_frames()[executor.thread.ident].f_lineno != waiting_at:
+            assert time.monotonic() < deadline, "the executor thread never went idle"
+            time.sleep(0.001)
+        assert alive() is None, "the idle thread keeps its last call's result alive"
+    finally:
+        executor.shutdown()

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -351,3 +352,13 @@ def test_caplog_sees_asyncio_errors(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
         assert never_retrieved(caplog)
+
+
+async def test_a_saved_state_is_not_kept_alive_by_its_checkpoint(tmp_path: Path) -> None:
+    async with aoffload.CheckpointEngine(tmp_path) as engine:
+        saved = {"w": torch.ones(1000)}
+        await engine.save(saved, "m.pt", tag="a")
+        staged = weakref.ref(saved["w"])
+        del saved
+        await engine.commit("a")  # by then the copy's threads are long done with it
+        assert staged() is None, "the staged file's plan keeps the saved tensors alive"

@@ -128,10 +128,16 @@ class DaemonThreadExecutor(concurrent.futures.Executor):
             setup()
         while (item := self._work.get()) is not None:
             future, call = item
+            del item
             try:
                 future.set_result(call())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
                 future.set_exception(exc)
+            # Hold nothing of the caller's while idle: a result (a loaded state) whose last
+            # reference this daemon thread dropped during interpreter exit freed tensors
+            # there, whose destructors take the GIL, which ends the thread mid-destructor
+            # and aborts the process ("terminate called without an active exception").
+            del future, call
 
 
 async def run_in_thread(fn: Callable[..., _T], *args: Any, name: str) -> _T:

@@ -207,3 +207,4 @@ class CopyPool:
         background_policy()  # the copy takes idle cycles; the loop and the step come first
         while (work := self._work.get()) is not None:
             work()
+            del work  # idle, it must not keep the last job's state (its tensors) alive

@@ -258,7 +258,9 @@ class EngineCore:
             if isinstance(job.sealed, BaseException):
                 raise job.sealed
             return
-        planned = job.plan
+        # The check is the plan's last use: drop it, so that the tag, alive until it is
+        # published, does not keep the caller's tensors alive too.
+        planned, job.plan = job.plan, None
         moved = None if planned is None else modified(planned)
         if moved is None:
             job.sealed = True
