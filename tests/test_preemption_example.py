@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,24 +125,6 @@ def finish(ranks: list[Rank], timeout: float = 180) -> list[int]:
     return codes
 
 
-_EXIT_ABORT = "terminate called without an active exception"
-
-
-def exit_codes(ranks: list[Rank]) -> list[int]:
-    """``finish(ranks)``, except for one known bug (see the closing note of the third round
-    and CHANGELOG's Known issues): a rank of a job that ran to its end, printed ``finished``
-    and left nothing but C++'s ``terminate called without an active exception`` on stderr
-    sometimes aborts at interpreter exit (a store thread of torch.distributed outlives its
-    process group). Its checkpoints are whole (the test goes on to compare them); the abort
-    is counted as 0 here with a warning, and any other exit still fails."""
-    codes = finish(ranks)
-    for i, (r, code) in enumerate(zip(ranks, codes, strict=True)):
-        if code == -signal.SIGABRT and r.events("finished") and r.err[-1:] == [_EXIT_ABORT]:
-            warnings.warn(f"rank {r.rank} aborted at exit after finishing", stacklevel=2)
-            codes[i] = 0
-    return codes
-
-
 @pytest.fixture
 def jobs() -> Iterator[list[list[Rank]]]:
     """Every job a test starts; whatever is left of them is killed at the end."""
@@ -202,11 +183,11 @@ def test_a_signal_at_a_random_moment_saves_one_step_everywhere_and_resumes_exact
 
     last = start(directory, world, "--steps", str(step + 15))
     jobs.append(last)
-    assert exit_codes(last) == [0] * world
+    assert finish(last) == [0] * world
     assert [r.events("resumed") for r in last] == [[(step, d)] for d in saved or []]
     unbroken = start(tmp_path / "unbroken", world, "--steps", str(step + 15))
     jobs.append(unbroken)
-    assert exit_codes(unbroken) == [0] * world
+    assert finish(unbroken) == [0] * world
     assert [r.events("finished") for r in last] == [r.events("finished") for r in unbroken]
 
 
