@@ -1,19 +1,27 @@
 """The deepspeed backend against DeepSpeed itself: in-process DeepSpeedCPUAdam and DeepSpeed's
-own SuperOffloadCPUOptimizer worker, on the same schedule of steps, lr changes and rollbacks."""
+own SuperOffloadCPUOptimizer worker, on the same schedule of steps, lr changes and rollbacks;
+and the op's two ways into a worker (its stamped build, or DeepSpeed), on copies of the build.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 import aoffload
 from aoffload import CPUAdam
+from aoffload.optimizer._calls import Info
+from aoffload.optimizer._deepspeed_op import STAMP, _stamp_mismatch, build_directory
 from aoffload.optimizer._deepspeed_start import AcceleratorNoticeFilter
 
 from . import _adam_schedule as sched
@@ -128,17 +136,173 @@ def test_the_accelerator_notice_is_filtered_and_nothing_else() -> None:
     assert drop.filter(record(logging.ERROR, notice))  # only the warning is expected
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed says nothing with a GPU")
-def test_a_deepspeed_worker_starts_without_the_accelerator_notice(
-    capfd: pytest.CaptureFixture[str],
+# -- the op's start: from its stamped build without DeepSpeed, else through DeepSpeed ------------
+
+
+@pytest.fixture(scope="module")
+def built_op() -> str:
+    """The build directory of DeepSpeed's op in this environment, built (by a worker loading it
+    through DeepSpeed) if it was not."""
+    directory = build_directory()
+    if not os.path.exists(os.path.join(directory, "cpu_adam.so")):
+
+        async def start() -> None:
+            async with CPUAdam([{"lr": 0.1}], backend="deepspeed", worker_cores=None):
+                pass
+
+        asyncio.run(start())
+    return directory
+
+
+@pytest.fixture
+def build_copy(built_op: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of that build without a stamp (every mtime kept, so ninja has nothing to do),
+    which this test's workers use."""
+    copy = tmp_path.resolve() / "extensions" / "cpu_adam"  # as /proc/PID/maps names it
+    copy.mkdir(parents=True)
+    for entry in os.scandir(built_op):
+        if entry.is_file() and entry.name != "lock" and STAMP not in entry.name:
+            shutil.copy2(entry.path, copy / entry.name)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(copy.parent))
+    return copy
+
+
+@dataclass
+class Started:
+    """What a deepspeed-backed worker said and mapped, what the schedule left, what it logged."""
+
+    info: Info
+    mapped: set[str]
+    params: dict[int, torch.Tensor]
+    logged: str
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    """The shared objects a process has mapped (``/proc/PID/maps`` names them by real path)."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in lines if line.endswith(".so")}
+
+
+async def start_and_run(caplog: pytest.LogCaptureFixture) -> Started:
+    caplog.clear()
+    async with CPUAdam(sched.GROUPS, backend="deepspeed", worker_cores=None) as opt:
+        pid, info = opt.pid, opt._core.info
+        assert pid is not None
+        assert info is not None
+        mapped = mapped_libraries(pid)
+        params = await run_schedule(opt)
+    logged = "\n".join(
+        r.getMessage() for r in caplog.records if r.name == "aoffload.optimizer._deepspeed_op"
+    )
+    return Started(info, mapped, params, logged)
+
+
+async def test_a_stamped_build_loads_without_deepspeed_and_steps_the_same(
+    build_copy: Path,
+    in_process_expected: dict[int, torch.Tensor],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async def start_and_step() -> str | None:
+    caplog.set_level(logging.DEBUG, logger="aoffload")
+    library = str(build_copy / "cpu_adam.so")
+    first = await start_and_run(caplog)  # no stamp: through DeepSpeed, which stamps the build
+    assert first.info.deepspeed_imported, first.logged
+    assert f"no {STAMP}" in first.logged
+    assert first.info.op_library == library
+    assert (build_copy / STAMP).is_file()
+    second = await start_and_run(caplog)
+    assert not second.info.deepspeed_imported, second.logged
+    assert second.info.op_library == library
+    assert library in second.mapped  # that very file, not the ambient build
+    for sg, param in second.params.items():
+        assert torch.equal(param, first.params[sg]), sg
+        assert torch.equal(param, in_process_expected[sg]), sg
+
+
+def _edit_stamp(key: str, value: object) -> Callable[[Path], None]:
+    def edit(copy: Path) -> None:
+        stamp = json.loads((copy / STAMP).read_text())
+        stamp[key] = value
+        (copy / STAMP).write_text(json.dumps(stamp))
+
+    return edit
+
+
+def _append(name: str) -> Callable[[Path], None]:
+    def append(copy: Path) -> None:
+        with open(copy / name, "a") as file:
+            file.write("\n# edited\n")
+
+    return append
+
+
+STALE: dict[str, tuple[Callable[[Path], None], str]] = {
+    # torch rewrites build.ninja from DeepSpeed's arguments; ninja's logged commands still match
+    "build.ninja edited": (_append("build.ninja"), "build.ninja changed since the stamp"),
+    "library touched": (lambda copy: os.utime(copy / "cpu_adam.so"), "cpu_adam.so changed"),
+    "another DeepSpeed": (_edit_stamp("deepspeed", "0.0.1"), "DeepSpeed 0.0.1 is not one"),
+    "another CPU": (_edit_stamp("cpu", "x86_64\nflags: sse2"), "cpu differs"),
+    "stamp unreadable": (lambda copy: (copy / STAMP).write_text("{"), "is unreadable"),
+}
+
+
+@pytest.mark.parametrize("stale", sorted(STALE))
+async def test_a_stale_stamp_loads_through_deepspeed_and_stamps_again(
+    stale: str,
+    build_copy: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="aoffload")
+    change, reason = STALE[stale]
+    stamped = await start_and_run(caplog)
+    assert stamped.info.deepspeed_imported
+    change(build_copy)
+    fallback = await start_and_run(caplog)
+    assert fallback.info.deepspeed_imported, fallback.logged
+    assert reason in fallback.logged
+    assert fallback.info.op_library == str(build_copy / "cpu_adam.so")
+    again = await start_and_run(caplog)  # stamped afresh by the fallback
+    assert not again.info.deepspeed_imported, again.logged
+    for sg, param in again.params.items():
+        assert torch.equal(param, stamped.params[sg]), sg
+        assert torch.equal(param, fallback.params[sg]), sg
+
+
+async def test_another_accelerator_loads_through_deepspeed(
+    build_copy: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="aoffload")
+    stamped = await start_and_run(caplog)
+    assert stamped.info.deepspeed_imported
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the same builder, but not what was stamped
+    chosen = await start_and_run(caplog)
+    assert chosen.info.deepspeed_imported, chosen.logged
+    assert "environment differs" in chosen.logged
+    assert not (await start_and_run(caplog)).info.deepspeed_imported  # stamped with it
+    assert _stamp_mismatch(str(build_copy)) is None
+    monkeypatch.setenv("DS_ACCELERATOR", "npu")  # another builder: never from the stamp
+    assert _stamp_mismatch(str(build_copy)) == "DS_ACCELERATOR=npu"
+
+
+def test_no_build_or_no_stamp_is_no_proof(tmp_path: Path) -> None:
+    missing = _stamp_mismatch(str(tmp_path / "absent" / "cpu_adam"))
+    assert f"no {STAMP}" in str(missing)
+    (tmp_path / STAMP).write_text(json.dumps({"format": 0}))
+    assert "another format" in str(_stamp_mismatch(str(tmp_path)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed says nothing with a GPU")
+def test_a_worker_loading_through_deepspeed_starts_without_the_accelerator_notice(
+    build_copy: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    async def start_and_step() -> tuple[str | None, Info | None]:
         async with CPUAdam([{"lr": 0.1}], backend="deepspeed", worker_cores=None) as opt:
             opt.submit(0, 0, torch.ones(8), torch.ones(8))
             await opt.drain()
-            return opt.backend
+            return opt.backend, opt._core.info
 
-    backend = asyncio.run(start_and_step())  # the worker writes to this test's fds 1 and 2
+    backend, info = asyncio.run(start_and_step())  # the worker writes to this test's fds 1, 2
     out, err = capfd.readouterr()
     assert backend == "deepspeed"
+    assert info is not None
+    assert info.deepspeed_imported  # no stamp in the copy: DeepSpeed ran
     assert "Setting accelerator to CPU" not in out + err

@@ -1,8 +1,8 @@
 """The optimizer worker's two backends, both stepping one sub-group at a time.
 
-* ``deepspeed``: DeepSpeed's ``DeepSpeedCPUAdam`` built exactly like DeepSpeed's own
-  SuperOffload worker builds it, driven through ``step_subgroup`` / ``rollback_subgroup``,
-  so its numbers are bit-identical to DeepSpeed's;
+* ``deepspeed``: DeepSpeed's CPU Adam op (loaded by :mod:`._deepspeed_op`) driven with the
+  very calls of ``DeepSpeedCPUAdam``'s ``step_subgroup`` / ``rollback_subgroup``, as
+  DeepSpeed's own SuperOffload worker drives it, so its numbers are bit-identical to DeepSpeed's;
 * ``torch``: the same math (AdamW with DeepSpeed's bias correction and weight-decay
   convention) and the same algebraic rollback in PyTorch ops, except that second
   moments driven below zero by the rollback's rounding are clamped at zero.
@@ -16,6 +16,7 @@ it is tracked, exported and replayed so that a resumed run takes bit-identical s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from ._calls import GroupConfig, Kernel
+from ._deepspeed_op import load_cpu_adam
 
 __all__ = ["Backup", "DeepSpeedBackend", "NoStepError", "TorchBackend"]
 
@@ -229,8 +231,30 @@ def _f32(value: float) -> float:
     return float(np.float32(value))
 
 
+class _OpState:
+    """Optimizer state of one sub-group in the deepspeed backend (``DeepSpeedCPUAdam``'s)."""
+
+    __slots__ = ("exp_avg", "exp_avg_sq", "step")
+
+    def __init__(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int) -> None:
+        self.exp_avg = exp_avg
+        self.exp_avg_sq = exp_avg_sq
+        self.step = step
+
+
+_FIRST_OP_ID = 1 << 30  # ids DeepSpeedCPUAdam's own counter (from 0) does not reach
+_op_ids = itertools.count(_FIRST_OP_ID)
+
+
 class DeepSpeedBackend:
-    """DeepSpeed's ``DeepSpeedCPUAdam``, built and driven as DeepSpeed's own worker does.
+    """DeepSpeed's CPU Adam op, driven with exactly the calls of ``DeepSpeedCPUAdam``.
+
+    The op comes from :func:`._deepspeed_op.load_cpu_adam` (its build, or DeepSpeed). It is
+    created as ``DeepSpeedCPUAdam.__init__`` creates it (AdamW mode, the first group's
+    hyper-parameters, DeepSpeed's default log level) and stepped and rolled back as its
+    ``step_subgroup`` and ``rollback_subgroup`` do (state initialised with zeros, the step
+    count incremented before ``adam_update`` and decremented after ``adam_rollback``), so
+    its numbers are bit-identical to DeepSpeed's own SuperOffload worker's.
 
     DeepSpeed's C++ op keeps ``beta**step`` across calls: a step number one above the
     previous call's multiplies it by ``beta``, the same number keeps it, anything else
@@ -242,23 +266,24 @@ class DeepSpeedBackend:
     name = "deepspeed"
 
     def __init__(self, groups: tuple[GroupConfig, ...]) -> None:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
+        self.op = load_cpu_adam()
+        self._ops: Any = self.op.module
+        self._id = next(_op_ids)
         first = groups[0]
-        placeholder = torch.nn.Parameter(torch.zeros(1))
-        self._optimizer: Any = DeepSpeedCPUAdam(
-            [placeholder],
-            lr=first.lr,
-            betas=(first.beta1, first.beta2),
-            eps=first.eps,
-            weight_decay=first.weight_decay,
-            bias_correction=first.bias_correction,
-            amsgrad=False,
-        )
-        self._optimizer.param_groups[0]["params"] = []
-        self.set_groups(groups)
-        self._params: dict[tuple[int, int], torch.nn.Parameter] = {}
+        # DeepSpeedCPUAdam: create_adam(id, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+        # should_log_le("info")); DeepSpeed's logger is at WARNING unless the process set it.
+        self._ops.create_adam(
+            self._id, first.lr, first.beta1, first.beta2, first.eps, first.weight_decay,
+            True, False,
+        )  # fmt: skip
+        self._groups = list(groups)
+        self._params: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._states: dict[tuple[int, int], _OpState] = {}
         self._kernel: Kernel = (0, 0, _f32(first.beta1), _f32(first.beta2))  # a new op's state
+
+    def close(self) -> None:
+        """Destroy the op's optimizer (``DeepSpeedCPUAdam.__del__`` does the same)."""
+        self._ops.destroy_adam(self._id)
 
     def register(
         self,
@@ -268,43 +293,16 @@ class DeepSpeedBackend:
         grad: torch.Tensor,
         pieces: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        holder = torch.nn.Parameter(param, requires_grad=False)  # one tensor: pieces unused
-        holder.grad = grad
-        self._params[group_id, subgroup_id] = holder
+        self._params[group_id, subgroup_id] = (param, grad)  # one tensor: pieces unused
 
     def set_lr(self, group_id: int, lr: float) -> None:
-        self._optimizer.param_groups[group_id]["lr"] = lr
+        self._groups[group_id] = dataclasses.replace(self._groups[group_id], lr=float(lr))
 
     def groups(self) -> tuple[GroupConfig, ...]:
-        return tuple(
-            GroupConfig(
-                lr=float(g["lr"]),
-                beta1=float(g["betas"][0]),
-                beta2=float(g["betas"][1]),
-                eps=float(g["eps"]),
-                weight_decay=float(g["weight_decay"]),
-                bias_correction=bool(g["bias_correction"]),
-            )
-            for g in self._optimizer.param_groups
-        )
+        return tuple(self._groups)
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> None:
-        param_groups = self._optimizer.param_groups
-        for index, group in enumerate(groups):
-            hyper = {
-                "lr": group.lr,
-                "betas": (group.beta1, group.beta2),
-                "eps": group.eps,
-                "weight_decay": group.weight_decay,
-                "bias_correction": group.bias_correction,
-            }
-            if index < len(param_groups):
-                param_groups[index].update(hyper)
-            else:  # a group added since: DeepSpeed takes a group with a param, then we drop it
-                placeholder = torch.nn.Parameter(torch.zeros(1))
-                hyper.update(params=[placeholder], amsgrad=False)
-                self._optimizer.add_param_group(hyper)
-                param_groups[index]["params"] = []
+        self._groups = list(groups)
 
     def kernel(self) -> Kernel | None:
         return self._kernel
@@ -324,58 +322,55 @@ class DeepSpeedBackend:
             return
         anchor, step, beta1, beta2 = kernel
         scratch = [torch.zeros(1) for _ in range(4)]
-        update = self._optimizer.ds_opt_adam.adam_update
-        opt_id = self._optimizer.opt_id
         # Other betas force the pow branch twice: once away, once onto beta**anchor...
         calls = [(1, beta1 / 2, beta2 / 2), (anchor, beta1, beta2)]
         # ...then one multiplication per step, as the saved op did.
         calls += [(s, beta1, beta2) for s in range(anchor + 1, step + 1)]
         for s, b1, b2 in calls:
-            update(opt_id, s, 0.0, b1, b2, 1e-8, 0.0, True, *scratch)
+            self._ops.adam_update(self._id, s, 0.0, b1, b2, 1e-8, 0.0, True, *scratch)
         self._kernel = (anchor, step, _f32(beta1), _f32(beta2))
 
-    def _state(self, group_id: int, subgroup_id: int) -> dict[str, Any]:
-        state: dict[str, Any] = self._optimizer.state[group_id, subgroup_id]
-        return state
-
-    def _run(self, group_id: int, subgroup_id: int, rollback: bool) -> int:
-        # DeepSpeed steps every param of every group that has a grad: present only this one.
-        param_group = self._optimizer.param_groups[group_id]
-        param_group["params"] = [self._params[group_id, subgroup_id]]
-        try:
-            if rollback:
-                self._optimizer.rollback_subgroup((group_id, subgroup_id))
-            else:
-                state = self._optimizer.state.get((group_id, subgroup_id))
-                step = int(state["step"]) + 1 if state else 1
-                self._optimizer.step_subgroup((group_id, subgroup_id))
-                self._advance(step, *param_group["betas"])
-        finally:
-            param_group["params"] = []
-        return int(self._state(group_id, subgroup_id)["step"])
+    def _call(self, name: str, group_id: int, subgroup_id: int, state: _OpState) -> None:
+        param, grad = self._params[group_id, subgroup_id]
+        g = self._groups[group_id]
+        getattr(self._ops, name)(
+            self._id, state.step, g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
+            g.bias_correction, param, grad, state.exp_avg, state.exp_avg_sq,
+        )  # fmt: skip
 
     def step(self, group_id: int, subgroup_id: int) -> int:
-        return self._run(group_id, subgroup_id, rollback=False)
+        state = self._states.get((group_id, subgroup_id))
+        if state is None:
+            param = self._params[group_id, subgroup_id][0]
+            zeros = torch.zeros_like(param, dtype=torch.float32)
+            state = self._states[group_id, subgroup_id] = _OpState(zeros, zeros.clone(), 0)
+        state.step += 1
+        self._call("adam_update", group_id, subgroup_id, state)
+        group = self._groups[group_id]
+        self._advance(state.step, group.beta1, group.beta2)
+        return state.step
 
     def rollback(self, group_id: int, subgroup_id: int) -> int:
-        state = self._optimizer.state.get((group_id, subgroup_id))
-        if not state or state.get("step", 0) <= 0:
+        state = self._states.get((group_id, subgroup_id))
+        if state is None or state.step <= 0:
             raise NoStepError(
                 f"cannot roll back sub-group {subgroup_id} of group {group_id}: it has no step"
             )
-        return self._run(group_id, subgroup_id, rollback=True)
+        self._call("adam_rollback", group_id, subgroup_id, state)
+        state.step -= 1
+        return state.step
 
     def export(
         self, group_id: int, subgroup_id: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     ) -> int:
-        state = self._optimizer.state.get((group_id, subgroup_id))
-        if not state:
+        state = self._states.get((group_id, subgroup_id))
+        if state is None:
             exp_avg.zero_()
             exp_avg_sq.zero_()
             return 0
-        exp_avg.copy_(state["exp_avg"].view(-1))
-        exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
-        return int(state["step"])
+        exp_avg.copy_(state.exp_avg.view(-1))
+        exp_avg_sq.copy_(state.exp_avg_sq.view(-1))
+        return state.step
 
     def load(
         self,
@@ -385,33 +380,35 @@ class DeepSpeedBackend:
         exp_avg: torch.Tensor | None,
         exp_avg_sq: torch.Tensor | None,
     ) -> None:
+        key = (group_id, subgroup_id)
         if step == 0 or exp_avg is None or exp_avg_sq is None:
-            self._optimizer.state.pop((group_id, subgroup_id), None)
+            self._states.pop(key, None)
             return
-        param = self._params[group_id, subgroup_id].data
-        state = self._optimizer.state[group_id, subgroup_id]
-        if not state:
-            state["exp_avg"] = torch.empty_like(param)
-            state["exp_avg_sq"] = torch.empty_like(param)
-        state["exp_avg"].view(-1).copy_(exp_avg)
-        state["exp_avg_sq"].view(-1).copy_(exp_avg_sq)
-        state["step"] = step
+        state = self._states.get(key)
+        if state is None:
+            param = self._params[key][0]
+            state = _OpState(torch.empty_like(param), torch.empty_like(param), step)
+            self._states[key] = state
+        state.exp_avg.view(-1).copy_(exp_avg)
+        state.exp_avg_sq.view(-1).copy_(exp_avg_sq)
+        state.step = step
 
     def snapshot(self, group_id: int, subgroup_id: int, backup: Backup) -> None:
-        backup.param.copy_(self._params[group_id, subgroup_id].data.view(-1))
-        state = self._optimizer.state.get((group_id, subgroup_id))
-        backup.step = int(state["step"]) if state else 0
-        if state:
-            backup.exp_avg.copy_(state["exp_avg"].view(-1))
-            backup.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
+        backup.param.copy_(self._params[group_id, subgroup_id][0].view(-1))
+        state = self._states.get((group_id, subgroup_id))
+        backup.step = state.step if state is not None else 0
+        if state is not None:
+            backup.exp_avg.copy_(state.exp_avg.view(-1))
+            backup.exp_avg_sq.copy_(state.exp_avg_sq.view(-1))
 
     def restore(self, group_id: int, subgroup_id: int, backup: Backup) -> int:
-        self._params[group_id, subgroup_id].data.view(-1).copy_(backup.param)
+        key = (group_id, subgroup_id)
+        self._params[key][0].view(-1).copy_(backup.param)
         if backup.step == 0:
-            self._optimizer.state.pop((group_id, subgroup_id), None)
+            self._states.pop(key, None)
             return 0
-        state = self._state(group_id, subgroup_id)
-        state["exp_avg"].view(-1).copy_(backup.exp_avg)
-        state["exp_avg_sq"].view(-1).copy_(backup.exp_avg_sq)
-        state["step"] = backup.step
+        state = self._states[key]
+        state.exp_avg.view(-1).copy_(backup.exp_avg)
+        state.exp_avg_sq.view(-1).copy_(backup.exp_avg_sq)
+        state.step = backup.step
         return backup.step

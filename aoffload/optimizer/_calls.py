@@ -64,11 +64,14 @@ class AdamConfig:
 
 @dataclass(frozen=True, slots=True)
 class Info:
-    """What the worker runs: its backend, thread count and cores."""
+    """What the worker runs: its backend, thread count and cores; for the deepspeed backend,
+    the op's library and whether the worker has imported DeepSpeed (to load it, or else)."""
 
     backend: str
     threads: int
     cores: tuple[int, ...] | None
+    op_library: str | None = None
+    deepspeed_imported: bool = False
 
 
 @dataclass(frozen=True, slots=True)

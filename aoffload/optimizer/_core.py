@@ -30,7 +30,7 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, SetGroups, Step
+from ._calls import AdamConfig, GetInfo, GroupConfig, Info, SetGroups, Step
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._service import TARGET
 from ._state import StateTransfer, parse
@@ -74,6 +74,8 @@ class OptimizerCore:
         self._close_timeout = close_timeout
         self.worker: WorkerCore | None = None
         self.backend: str | None = None
+        self.info: Info | None = None
+        """What the worker said it runs, once started."""
         self.outcomes = Outcomes()
         self.registry = Registry()
         self._transfer = StateTransfer()
@@ -127,11 +129,16 @@ class OptimizerCore:
         except concurrent.futures.TimeoutError:
             raise worker.startup_timeout(timeout) from None
         info = worker.request(GetInfo())
+        self.info = info
         self.backend = info.backend
         logger.info(
-            "CPUAdam worker (pid %s): %s backend, %d threads, worker cores %s, trainer cores %s",
+            "CPUAdam worker (pid %s): %s backend%s, %d threads, worker cores %s, trainer cores %s",
             worker.pid,
             info.backend,
+            ""
+            if info.op_library is None
+            else f" (op {info.op_library}, DeepSpeed "
+            f"{'imported' if info.deepspeed_imported else 'not imported'})",
             info.threads,
             "unpinned" if info.cores is None else list(info.cores),
             split.trainer if split.worker is not None else "unpinned",

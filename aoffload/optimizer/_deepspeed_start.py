@@ -1,6 +1,7 @@
-"""What the optimizer's worker does before it builds DeepSpeed's CPU Adam op (worker side).
+"""What the optimizer's worker does before it loads DeepSpeed's CPU Adam op through DeepSpeed
+(worker side; :mod:`._deepspeed_op` decides when that is needed).
 
-Three things, all confined to the worker process:
+Two things, both confined to the worker process:
 
 * DeepSpeed logs ``Setting accelerator to CPU. If you have GPU or other accelerator, we
   were unable to detect it.`` as a warning when it finds no GPU. The worker runs a CPU
@@ -9,14 +10,8 @@ Three things, all confined to the worker process:
 * DeepSpeed's op builder asks ``cpuinfo.get_cpu_info()`` for the CPU's architecture and
   SIMD width each time it loads the op (twice or more per load), and each call runs a
   fresh Python interpreter. The worker asks once, on a thread started before DeepSpeed is
-  imported, so that interpreter runs while the worker imports DeepSpeed and torch's
-  compiler stack, and every later call returns the same answer;
-* ``torch.optim.Optimizer``'s ``add_param_group``, ``zero_grad``, ``state_dict`` and
-  ``load_state_dict`` are wrapped by ``torch._disable_dynamo``, which imports
-  ``torch._dynamo`` (and with it sympy and torch's compiler stack: 1.5-4.5 s on a 2-core
-  machine) the first time one of them runs, only to exclude them from a compilation that
-  never happens in this process. The worker never compiles anything, so each wrapper is
-  given its function as the already-"disabled" one, which it caches and calls directly.
+  imported, so that interpreter runs while the worker imports DeepSpeed, and every later
+  call returns the same answer.
 """
 
 from __future__ import annotations
@@ -58,9 +53,7 @@ class _OnceCpuInfo:
 
 
 def prepare_deepspeed() -> None:
-    """Quiet the accelerator notice, skip the compiler import, start asking for the CPU's
-    info; idempotent."""
-    _skip_dynamo_import()
+    """Quiet the accelerator notice, start asking for the CPU's info; idempotent."""
     logger = logging.getLogger(_DEEPSPEED_LOGGER)
     if not any(isinstance(f, AcceleratorNoticeFilter) for f in logger.filters):
         logger.addFilter(AcceleratorNoticeFilter())
@@ -72,18 +65,6 @@ def prepare_deepspeed() -> None:
     once = _OnceCpuInfo(cpuinfo.get_cpu_info)
     cpuinfo.get_cpu_info = once  # DeepSpeed imports it from the module at each call
     threading.Thread(target=_ask, args=(once,), name="aoffload-cpu-info", daemon=True).start()
-
-
-def _skip_dynamo_import() -> None:
-    import torch
-
-    for attribute in vars(torch.optim.Optimizer).values():
-        wrapped = getattr(attribute, "__wrapped__", None)
-        code = getattr(attribute, "__code__", None)
-        if wrapped is None or code is None or "disable_fn" not in code.co_varnames:
-            continue  # not torch._compile._disable_dynamo's wrapper
-        if getattr(wrapped, "__dynamo_disable", None) is None:
-            wrapped.__dynamo_disable = wrapped
 
 
 def _ask(once: _OnceCpuInfo) -> None:

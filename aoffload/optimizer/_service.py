@@ -1,14 +1,16 @@
 """The CPU optimizer's worker service: dispatches :mod:`._calls` to a backend.
 
-Before it builds DeepSpeed's op, the service quiets DeepSpeed's notice that it fell back
-to the CPU accelerator (the right one for a CPU optimizer; any other DeepSpeed warning is
-kept) and prepares the op's start (see :mod:`._deepspeed_start`).
+The deepspeed backend loads DeepSpeed's op from its build when that provably is DeepSpeed's
+op, without importing DeepSpeed (:mod:`._deepspeed_op`); otherwise through DeepSpeed, after
+quieting its notice that it fell back to the CPU accelerator (the right one for a CPU
+optimizer; any other DeepSpeed warning is kept, see :mod:`._deepspeed_start`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +34,6 @@ from ._calls import (
     StateInfo,
     Step,
 )
-from ._deepspeed_start import prepare_deepspeed
 
 __all__ = ["TARGET", "AdamService"]
 
@@ -49,8 +50,6 @@ class AdamService(Service):
             os.sched_setaffinity(0, config.cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        if config.backend != "torch":
-            prepare_deepspeed()
         self._cores = config.cores
         self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
         self._exact = config.exact_rollback
@@ -170,7 +169,14 @@ class AdamService(Service):
         self._backend.set_groups(request.groups)
 
     def _info(self, request: GetInfo) -> Info:
-        return Info(self._backend.name, torch.get_num_threads(), self._cores)
+        library = None if isinstance(self._backend, TorchBackend) else self._backend.op.library
+        return Info(
+            self._backend.name,
+            torch.get_num_threads(),
+            self._cores,
+            op_library=library,
+            deepspeed_imported="deepspeed" in sys.modules,
+        )
 
     def _step(self, request: Step) -> Done:
         key = (request.group_id, request.subgroup_id)
@@ -202,6 +208,8 @@ class AdamService(Service):
 
     def close(self) -> None:
         """Drop the tensors (the shared memory is released with the last reference)."""
+        if isinstance(self._backend, DeepSpeedBackend):
+            self._backend.close()
         self._backups.clear()
         self._registered.clear()
         self._buffers.clear()
