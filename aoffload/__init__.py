@@ -6,7 +6,6 @@ an ``await`` that ends when the work is done or the worker dies.
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
 
 from ._errors import AoffloadError as AoffloadError
@@ -19,6 +18,7 @@ from ._errors import RemoteError as RemoteError
 from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
+from ._lazy import exports as _exports
 from ._runtime.loops import run as run
 
 # The names below import torch: they are imported on first use (PEP 562), so that what
@@ -53,16 +53,7 @@ else:
         ),
     }
 
-    def __getattr__(name: str) -> object:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(_importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *_LAZY})
+    __getattr__, __dir__ = _exports(__name__, globals(), _LAZY)
 
 
 __version__ = "0.1.0"

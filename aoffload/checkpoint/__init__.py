@@ -24,8 +24,9 @@ The uploader process's side is :mod:`.remote` (it reads the format, :mod:`._form
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
+
+from .._lazy import exports as _exports
 
 # Imported on first use (PEP 562): the command line reads the format (_format, _inspect)
 # without importing torch.
@@ -46,16 +47,7 @@ else:
         "PreemptionNotice": "._preemption",
     }
 
-    def __getattr__(name: str) -> object:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(_importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *_LAZY})
+    __getattr__, __dir__ = _exports(__name__, globals(), _LAZY)
 
 
 __all__ = (

@@ -18,8 +18,9 @@
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
+
+from .._lazy import exports as _exports
 
 # Imported on first use (PEP 562): the optimizer's worker imports its service
 # (:mod:`._service`, :mod:`._backends`, :mod:`._calls`), not the trainer's side.
@@ -40,16 +41,7 @@ else:
         "StepResults": "._results",
     }
 
-    def __getattr__(name: str) -> object:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(_importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *_LAZY})
+    __getattr__, __dir__ = _exports(__name__, globals(), _LAZY)
 
 
 __all__ = ("CPUAdam", "OffloadAdam", "StepKind", "StepReport", "StepResult", "StepResults")
