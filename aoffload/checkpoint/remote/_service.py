@@ -110,8 +110,10 @@ class UploaderService(Service):
         self._store.fetch(call.tag, call.name, call.entry, call.target)
 
     def close(self) -> None:
-        """Stop the upload threads (nothing is in flight: calls are served in order)."""
+        """Stop the upload threads and their lanes (nothing is in flight: calls are served
+        in order)."""
         self._pool.shutdown(wait=True)
+        self._store.lanes.close()
 
 
 TARGET = target(UploaderService)
