@@ -330,7 +330,7 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")  # moto takes any credentials: a real upload
-        endpoint.stop()
+        await asyncio.to_thread(endpoint.stop)  # it waits for the server's exit
         await engine.save(state(2), "model.pt", tag="step-2")
         await engine.commit("step-2")
         with pytest.raises(aoffload.CheckpointError) as failed:
