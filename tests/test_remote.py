@@ -402,6 +402,9 @@ def send(path, tag):
     together.wait()  # four upload threads at once
     store.put_file(path, tag, os.path.basename(path), os.path.getsize(path))
 
+def send_one(path):
+    store.put_file(path, "t3", os.path.basename(path), os.path.getsize(path))
+
 def lanes():
     return sum(t.name.startswith("aoffload-upload-lane") for t in threading.enumerate())
 
@@ -410,15 +413,17 @@ def shared():  # the lanes read the service models the store's session loaded
     return [lane.fs.session.get_component("data_loader") is loader("data_loader")
             for lane in store.lanes._lanes] if loader else []
 
-counts = []
+seen = []
 with concurrent.futures.ThreadPoolExecutor(4) as pool:
     for tag in ("t1", "t2"):
         list(pool.map(send, files, [tag] * 4))
-        counts.append([len(store.lanes), lanes()])
-    counts.append(shared())
+        seen.append([store.lanes.count, lanes()])
+    seen.append(shared())
     store.lanes.close()
-counts.append([len(store.lanes), lanes()])
-print(json.dumps(counts))
+    late = pool.submit(send_one, files[0]).exception()  # refused at once, never waits
+seen.append([store.lanes.count, lanes()])
+seen.append(type(late).__name__ if late else None)
+print(json.dumps(seen))
 """
 
 
@@ -436,12 +441,12 @@ def test_each_upload_thread_sends_through_a_loop_of_its_own(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    counts = json.loads(done.stdout)
+    seen = json.loads(done.stdout)
     if remote == "s3":  # one lane per upload thread, kept for the next tag, stopped by close
-        assert counts == [[4, 4], [4, 4], [True] * 4, [0, 0]]
+        assert seen == [[4, 4], [4, 4], [True] * 4, [0, 0], "CheckpointError"]
         objects = s3.objects(url)
     else:  # file:// has no event loop: no lanes
-        assert counts == [[0, 0], [0, 0], [], [0, 0]]
+        assert seen == [[0, 0], [0, 0], [], [0, 0], None]
         root = tmp_path / "remote"
         objects = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.bin")}
     for tag in ("t1", "t2"):

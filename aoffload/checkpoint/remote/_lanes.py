@@ -31,6 +31,8 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractFileSystem
 
+from ..._errors import CheckpointError
+
 __all__ = ["Lanes"]
 
 
@@ -97,17 +99,18 @@ class Lanes:
         self._closed = False
 
     def _lane(self) -> _Lane:
-        lane: _Lane | None = getattr(self._local, "lane", None)
-        if lane is None:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the upload lanes are closed")
+        with self._lock:
+            if self._closed:  # a stopped loop would never run the upload: never wait on one
+                raise CheckpointError("the uploader is closing: no upload starts any more")
+            lane: _Lane | None = getattr(self._local, "lane", None)
+            if lane is None:
                 lane = _Lane(self._url, self._options, len(self._lanes), self._fs)
                 self._lanes.append(lane)
-            self._local.lane = lane
-        return lane
+                self._local.lane = lane
+            return lane
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
         """How many lanes run (one per upload thread that has sent a file; none once closed)."""
         with self._lock:
             return len(self._lanes)
