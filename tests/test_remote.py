@@ -330,7 +330,7 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")  # moto takes any credentials: a real upload
-        endpoint.stop()
+        await asyncio.to_thread(endpoint.stop)  # it waits for the server's exit
         await engine.save(state(2), "model.pt", tag="step-2")
         await engine.commit("step-2")
         with pytest.raises(aoffload.CheckpointError) as failed:
@@ -384,3 +384,74 @@ def test_the_command_line_reads_a_remote_tier(
     status, out = run("clean", aoffload_s3)
     assert status == 2, out
     assert "local directory" in out
+
+
+_LANES = """
+import concurrent.futures, json, os, sys, threading
+from aoffload.checkpoint.remote._store import RemoteStore
+
+url, folder = sys.argv[1], sys.argv[2]
+store = RemoteStore(url)
+store.scan()  # as an engine's start does: the store's client exists
+files = []
+for i in range(4):
+    path = os.path.join(folder, f"part-{i}.bin")
+    with open(path, "wb") as f:
+        f.write(bytes([i]) * ((1 << 20) + i))
+    files.append(path)
+together = threading.Barrier(4)
+
+def send(path, tag):
+    together.wait()  # four upload threads at once
+    store.put_file(path, tag, os.path.basename(path), os.path.getsize(path))
+
+def send_one(path):
+    store.put_file(path, "t3", os.path.basename(path), os.path.getsize(path))
+
+def lanes():
+    return sum(t.name.startswith("aoffload-upload-lane") for t in threading.enumerate())
+
+def shared():  # the lanes read the service models the store's session loaded
+    loader = getattr(getattr(store.fs, "session", None), "get_component", None)
+    return [lane.fs.session.get_component("data_loader") is loader("data_loader")
+            for lane in store.lanes._lanes] if loader else []
+
+seen = []
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    for tag in ("t1", "t2"):
+        list(pool.map(send, files, [tag] * 4))
+        seen.append([store.lanes.count, lanes()])
+    seen.append(shared())
+    store.lanes.close()
+    late = pool.submit(send_one, files[0]).exception()  # refused at once, never waits
+seen.append([store.lanes.count, lanes()])
+seen.append(type(late).__name__ if late else None)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("remote", ["s3", "file"])
+def test_each_upload_thread_sends_through_a_loop_of_its_own(
+    tmp_path: Path, aoffload_s3: str, s3: S3Endpoint, remote: str
+) -> None:
+    # in a process of its own: botocore's models stay out of the test process
+    url = aoffload_s3 if remote == "s3" else (tmp_path / "remote").as_uri()
+    (tmp_path / "local").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _LANES, url, str(tmp_path / "local")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    if remote == "s3":  # one lane per upload thread, kept for the next tag, stopped by close
+        assert seen == [[4, 4], [4, 4], [True] * 4, [0, 0], "CheckpointError"]
+        objects = s3.objects(url)
+    else:  # file:// has no event loop: no lanes
+        assert seen == [[0, 0], [0, 0], [], [0, 0], None]
+        root = tmp_path / "remote"
+        objects = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.bin")}
+    for tag in ("t1", "t2"):
+        for i in range(4):
+            assert objects[f"{tag}/part-{i}.bin"] == bytes([i]) * ((1 << 20) + i)

@@ -57,7 +57,9 @@ async def _throughput(
     bucket = url.removeprefix("s3://").split("/")[0]
     ours, theirs, ceiling, after = [], [], [], []
     nbytes = 0
-    async with aoffload.CheckpointEngine(root / "tput", remote=url, keep_last=2) as engine:
+    # no retention: the removal of an old tag, which runs once uploaded() resolved, would
+    # overlap (and slow) the s3fs.put timed next
+    async with aoffload.CheckpointEngine(root / "tput", remote=url) as engine:
         for rep in range(reps + 1):  # the first is a warm-up
             tag = f"t{rep}"
             for name, part in state.items():

@@ -4,9 +4,10 @@ It serves the calls of :mod:`._calls` one at a time, in order, on the
 :class:`~._store.RemoteStore` it builds from its configuration. A :class:`~._calls.StartFiles`
 starts its files' uploads on a pool of threads (``concurrency`` at once) and is answered at
 once; :class:`~._calls.AwaitFiles` waits for them. Each goes through fsspec's
-``put_file``, which sends a large file as a multipart upload with concurrent parts where
-the backend has them (s3fs: from 2 x 50 MiB, ``max_concurrency`` parts in flight); a
-reader of the remote tier never sees a file half-written. The process runs as background
+``put_file`` on its thread's own event loop (:mod:`._lanes`), which sends a large file as a
+multipart upload with concurrent parts where the backend has them (s3fs: from 2 x 50 MiB,
+``max_concurrency`` parts in flight); a reader of the remote tier never sees a file
+half-written. The process runs as background
 work (``SCHED_BATCH``): the trainer's threads come first. Its log records leave through a
 filter that removes every credential.
 """
@@ -110,8 +111,10 @@ class UploaderService(Service):
         self._store.fetch(call.tag, call.name, call.entry, call.target)
 
     def close(self) -> None:
-        """Stop the upload threads (nothing is in flight: calls are served in order)."""
+        """Stop the upload threads and their lanes (nothing is in flight: calls are served
+        in order)."""
         self._pool.shutdown(wait=True)
+        self._store.lanes.close()
 
 
 TARGET = target(UploaderService)

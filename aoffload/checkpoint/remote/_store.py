@@ -35,6 +35,7 @@ import xxhash
 
 from ..._errors import CheckpointError, CorruptCheckpointError
 from .. import _format
+from ._lanes import Lanes
 
 __all__ = [
     "RETRIES",
@@ -202,6 +203,8 @@ class RemoteStore:
         except Exception as exc:  # noqa: BLE001 - reported redacted, never chained
             raise CheckpointError(self.redact(f"{self.url}: {_describe(exc)}")) from None
         self.root = root.rstrip("/")
+        self.lanes = Lanes(self.fs, url, options)
+        """Where :meth:`put_file` sends from: one event loop per upload thread."""
         if hasattr(self.fs, "auto_mkdir"):  # a filesystem with directories (file://)
             self.fs.auto_mkdir = True
 
@@ -306,14 +309,15 @@ class RemoteStore:
 
     def put_file(self, local: str, tag: str, name: str, nbytes: int) -> None:
         """Upload local file ``local`` as ``name`` of ``tag`` (multipart and concurrent parts
-        where the backend has them); checks its size against the manifest's first."""
+        where the backend has them), on the calling thread's lane (:mod:`._lanes`); checks
+        its size against the manifest's first."""
         size = os.path.getsize(local)
         if size != nbytes:
             raise CorruptCheckpointError(
                 f"{local}: {size} bytes on disk, the manifest says {nbytes}; not uploaded"
             )
         target = self.path(tag, name)
-        self._retried(f"uploading {tag}/{name}", lambda: self.fs.put_file(local, target))
+        self._retried(f"uploading {tag}/{name}", lambda: self.lanes.put_file(local, target))
 
     def put_text(self, parts: Iterable[str], text: str) -> None:
         """Write a small object (a manifest, ``latest``) in one request."""
