@@ -111,6 +111,7 @@ class Done(Wire):
 class Step(Call[Done]):
     """Trainer -> worker, per step: ids and scalars only, never tensors."""
 
+    plain = True
     group_id: int
     subgroup_id: int
     lr: float | None
