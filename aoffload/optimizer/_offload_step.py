@@ -14,8 +14,11 @@ then, on the caller's thread:
    ``max_grad_norm`` **clips**: each bucket, once its speculative step is back, has its
    gradients scaled by ``clip_grads_with_norm_``'s coefficient and its step rolled back
    and redone; otherwise the speculative steps stand;
-4. settles: as each bucket's final step is back, its master is published into the
-   model's parameters, so the copies overlap the worker's remaining buckets.
+4. settles: as each bucket's final step is back, it is published: the parameters that
+   live in the master (fp32 CPU) have their version counters moved, the others get the
+   master copied in, so the copies overlap the worker's remaining buckets. Once nothing
+   is in flight, the worker writes no parameter until the next backward sends a bucket
+   (:meth:`Offloader.landed`).
 
 Rollbacks are exact (the worker keeps a pre-step copy when speculation is on), so with
 the ``torch`` backend the result is bit-identical to clipping first and stepping after.
@@ -142,6 +145,7 @@ def step_flow(off: Offloader) -> Flow:
             _add(errors, error)
         for bucket in off.buckets:
             bucket.reset()
+    off.landed()
     for call in [call for call in off.group_calls if call.done()]:
         off.group_calls.remove(call)
         if call.exception() is not None:
