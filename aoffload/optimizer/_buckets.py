@@ -38,13 +38,14 @@ master already is); the master takes its value (:meth:`Bucket.resync`).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from .._errors import ClosedError, OptimizerError
 
-__all__ = ["ALIGN", "Bucket", "aligned", "can_reside"]
+__all__ = ["ALIGN", "Bucket", "aligned", "can_reside", "copy_into"]
 
 ALIGN = 16
 """Elements: every parameter's view starts on a 64-byte boundary of the flat buffers."""
@@ -69,6 +70,24 @@ def can_reside(param: torch.Tensor) -> bool:
         and data.untyped_storage().nbytes() == 4 * data.numel()
         and not data.is_inference()
     )
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``; a plain contiguous CPU source of ``target``'s dtype is one
+    ``memmove``, without the GIL and without torch's intra-op threads: on cores the
+    worker's threads share, a parallel copy waits for a preempted thread at every step."""
+    if (
+        source.device.type == "cpu"
+        and source.dtype == target.dtype
+        and source.layout == torch.strided
+        and source.is_contiguous()
+        and target.is_contiguous()
+        and source.numel() == target.numel()
+        and not (source.is_conj() or source.is_neg())
+    ):
+        ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+    else:
+        target.copy_(source)
 
 
 def _shared(numel: int) -> torch.Tensor:
@@ -220,7 +239,7 @@ class Bucket:
         ):
             return None
         view = self._grad_view(position)
-        view.copy_(grad)
+        copy_into(view, grad)
         return view
 
     def _sort(self) -> None:
@@ -285,7 +304,7 @@ class Bucket:
             return
         if grad.is_sparse:
             raise OptimizerError("OffloadAdam does not support sparse gradients")
-        self.grad_views[position].copy_(grad)
+        copy_into(self.grad_views[position], grad)
 
     def fill_missing(self) -> None:
         """Take the gradients no hook delivered (set by hand, or none: zeros) for a CPU bucket."""
