@@ -60,6 +60,9 @@ class AdamConfig:
     exact_rollback: bool
     cores: tuple[int, ...] | None  # CPU affinity of the worker; None leaves it as inherited
     threads: int | None  # torch (and OpenMP) threads of the worker; None leaves the default
+    side_by_side: bool = False
+    """The torch backend steps sub-groups side by side on that many threads, one core each
+    (replies then come in completion order; see ``_stepper``)."""
 
 
 @dataclass(frozen=True, slots=True)

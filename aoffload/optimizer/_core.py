@@ -55,7 +55,8 @@ def _chain(source: concurrent.futures.Future[Any], target: concurrent.futures.Fu
 class OptimizerCore:
     """Adam(W) in a worker process, driven from any thread; the faces' common core.
 
-    ``groups`` are validated param groups; the other arguments are :class:`~aoffload.CPUAdam`'s.
+    ``groups`` are validated param groups; the other arguments are :class:`~aoffload.CPUAdam`'s,
+    but ``side_by_side`` (OffloadAdam's: see :class:`~._calls.AdamConfig`).
     """
 
     def __init__(
@@ -66,8 +67,10 @@ class OptimizerCore:
         worker_cores: float | None,
         exact_rollback: bool,
         close_timeout: float,
+        side_by_side: bool = False,
     ) -> None:
         self.groups = groups
+        self._side_by_side = side_by_side
         self._requested_backend = backend
         self._worker_cores = worker_cores
         self._exact = exact_rollback
@@ -116,6 +119,7 @@ class OptimizerCore:
                 exact_rollback=self._exact,
                 cores=split.worker,
                 threads=split.threads,
+                side_by_side=self._side_by_side,
             )
             worker = WorkerCore(TARGET, config, name="cpu-adam", close_timeout=self._close_timeout)
             self.worker = worker

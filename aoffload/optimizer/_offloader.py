@@ -114,6 +114,7 @@ class Offloader:
             worker_cores=options.worker_cores,
             exact_rollback=options.speculative,
             close_timeout=options.close_timeout,
+            side_by_side=True,
         )
         self._allocate(self.buckets)
         core.start(options.start_timeout)
