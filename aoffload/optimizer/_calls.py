@@ -23,6 +23,7 @@ __all__ = [
     "Done",
     "GetInfo",
     "GroupConfig",
+    "Hurry",
     "Info",
     "Kernel",
     "Load",
@@ -100,6 +101,14 @@ class SetGroups(Call[None]):
     Served in order: the steps sent after it use the new values."""
 
     groups: tuple[GroupConfig, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Hurry(Call[None]):
+    """Trainer -> worker: the trainer now waits for the steps it sent (the backward is over):
+    step them on every core (see ``_stepper``). Answered at once."""
+
+    plain = True
 
 
 @dataclass(frozen=True, slots=True)

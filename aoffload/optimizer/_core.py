@@ -30,7 +30,7 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, SetGroups, Step
+from ._calls import AdamConfig, GetInfo, GroupConfig, Hurry, SetGroups, Step
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._service import TARGET
 from ._state import StateTransfer, parse
@@ -263,6 +263,17 @@ class OptimizerCore:
                 fired = outcomes.ready_locked()
             outcomes.fire(fired)
             raise
+
+    def hurry(self) -> None:
+        """Tell the worker that the trainer now waits for the steps it sent (OffloadAdam's
+        worker then steps them on every core); from any thread, never blocks."""
+        worker = self.check_running()
+
+        def answered(_: object, error: BaseException | None) -> None:  # the reader thread
+            if error is not None:
+                logger.warning("the CPU Adam worker could not take a Hurry: %s", error)
+
+        worker.submit_callback(Hurry(), answered)
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> concurrent.futures.Future[None]:
         """Replace the groups' hyper-parameters (or add groups) for the steps sent after this;

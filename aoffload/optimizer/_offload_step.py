@@ -4,6 +4,8 @@ The hooks have submitted every bucket whose gradients arrived: those steps ran (
 *speculatively*, with the gradients as they are, while the backward went on. The step
 then, on the caller's thread:
 
+0. tells the worker that the trainer now waits (it steps on every core from then on, on
+   all but one while the backward runs);
 1. waits for the CUDA hand-offs still on the link thread, if any;
 2. submits the buckets no hook completed (their gradients taken from ``param.grad``, a
    zero gradient for a parameter that has none);
@@ -125,6 +127,7 @@ def step_flow(off: Offloader) -> Flow:
     errors: list[BaseException] = []
     verdict: _Verdict | None = None
     try:
+        core.hurry()  # the backward is over: the worker may take every core
         if off.links is not None:
             flushed = off.links.flush()
             if not flushed.done():

@@ -25,6 +25,7 @@ from ._calls import (
     Allocate,
     Done,
     GetInfo,
+    Hurry,
     Info,
     Load,
     Register,
@@ -99,10 +100,10 @@ class AdamService(Service):
         }
         stepper = self._stepper
         if stepper is None:
-            return {Step: self._step, **others}
+            return {Step: self._step, Hurry: _nothing, **others}
         # Any other call runs once the steps sent before it have ended.
         after = {kind: _after(stepper, handle) for kind, handle in others.items()}
-        return {Step: self._submit, **after}
+        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), **after}
 
     def _submit(self, request: Step) -> concurrent.futures.Future[Done]:
         if self._stepper is None:
@@ -232,6 +233,10 @@ class AdamService(Service):
         self._registered.clear()
         self._buffers.clear()
         self._waiting.clear()
+
+
+def _nothing(request: Any) -> None:
+    return None
 
 
 def _after(stepper: Stepper, handle: Handler) -> Handler:

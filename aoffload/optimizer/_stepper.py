@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,15 +33,24 @@ _Task = tuple[Key, Callable[[], Any], "concurrent.futures.Future[Any]"]
 
 
 class Stepper:
-    """``size`` threads that run tasks, one sub-group's in order; thread-safe."""
+    """``size`` threads that run tasks, one sub-group's in order; thread-safe.
+
+    While the trainer runs its backward, at most ``size - 1`` of them step (one core is
+    left to the backward, whose gradient copies are the step's critical path); once the
+    trainer waits for the step (:meth:`hurry`), every thread does, until none is left.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
+        self._ready: collections.deque[_Task] = collections.deque()
         self._waiting: dict[Key, collections.deque[_Task]] = {}  # keys with a task running
         self._in_flight = 0
+        self._running = 0
+        self._backward_limit = max(1, size - 1)
+        self._limit = self._backward_limit
+        self._closing = False
         self._threads = [
             threading.Thread(target=self._run, name=f"aoffload-adam-step-{i}", daemon=True)
             for i in range(size)
@@ -61,26 +69,47 @@ class Stepper:
                 waiting.append(task)
                 return future
             self._waiting[key] = collections.deque()
-        self._queue.put(task)
+            self._ready.append(task)
+            self._changed.notify_all()
         return future
+
+    def hurry(self) -> None:
+        """The trainer waits for the steps sent: every thread may step until none is left."""
+        with self._lock:
+            if self._in_flight:
+                self._limit = self.size
+                self._changed.notify_all()
 
     def wait_idle(self) -> None:
         """Block until every task sent has ended."""
         with self._lock:
             while self._in_flight:
-                self._idle.wait()
+                self._changed.wait()
 
     def close(self) -> None:
         """Stop the threads once the tasks sent have ended."""
+        with self._lock:
+            self._limit = self.size
+            self._changed.notify_all()
         self.wait_idle()
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            self._closing = True
+            self._changed.notify_all()
         for thread in self._threads:
             thread.join()
 
+    def _take(self) -> _Task | None:
+        with self._lock:
+            while not (self._ready and self._running < self._limit):
+                if self._closing:
+                    return None
+                self._changed.wait()
+            self._running += 1
+            return self._ready.popleft()
+
     def _run(self) -> None:
         torch.set_num_threads(1)  # this thread's kernels run on this thread only
-        while (task := self._queue.get()) is not None:
+        while (task := self._take()) is not None:
             key, work, future = task
             try:
                 result = work()
@@ -89,11 +118,13 @@ class Stepper:
             else:
                 future.set_result(result)
             with self._lock:
+                self._running -= 1
                 self._in_flight -= 1
                 waiting = self._waiting[key]
                 if waiting:
-                    self._queue.put(waiting.popleft())
+                    self._ready.append(waiting.popleft())
                 else:
                     del self._waiting[key]
                 if not self._in_flight:
-                    self._idle.notify_all()
+                    self._limit = self._backward_limit  # the next backward's steps
+                self._changed.notify_all()
