@@ -39,14 +39,14 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
         section.PACED_SPLIT,
         section.ALONE,
         section.IDEAL,
-        section.HOST,
+        section.COPIES,
+        section.ADAM_ONE,
+        section.AT_ONCE,
     ):
         assert system in measured, f"{system} was not measured: {sorted(measured)}"
     steps = {m for m in measured[section.PACED] if m.startswith("step, t_b")}
     assert len(steps) == len(section.BACKWARDS) + 1  # the overlap section's t_b, and t_adam
     assert steps == {m for m in measured[section.IDEAL] if m.startswith("step, t_b")}
-    assert steps == {m for m in measured[section.HOST] if m.startswith("step, t_b")}
     names = {r["name"] for r in data["ratios"]}
     assert any(n.startswith(f"{section.PACED} / ideal") for n in names), names
-    assert any(n.startswith(f"{section.PACED} / {section.HOST}") for n in names), names
     assert any(n.startswith(f"{section.OFFLOAD} / {section.FUSED}") for n in names), names

@@ -1,9 +1,5 @@
-"""The other process of the paced backward's "at once" figure: AdamW, stepped on demand.
-
-It imports torch only once it runs, after it has set ``GOMP_SPINCOUNT`` as aoffload's
-workers do (unless a wait policy is set), so that its threads wait for the next step as
-an OffloadAdam worker's would.
-"""
+"""The other process of the offload_adam section's "at once" figure: AdamW on one core,
+stepped on demand (see ``_offload_adam_paced.at_once``)."""
 
 from __future__ import annotations
 
@@ -14,13 +10,14 @@ from multiprocessing.connection import Connection
 __all__ = ["serve"]
 
 
-def serve(conn: Connection, numel: int, count: int, lr: float) -> None:
-    """Step ``torch.optim.AdamW(fused=True)`` over ``count`` parameters of ``numel`` once per
-    message; reply with the time it ended (``time.perf_counter``). ``None`` ends it."""
-    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
-        os.environ["GOMP_SPINCOUNT"] = "50000"
+def serve(conn: Connection, numel: int, count: int, lr: float, core: int) -> None:
+    """Step ``torch.optim.AdamW(fused=True)`` over ``count`` parameters of ``numel`` on one
+    thread pinned to ``core``, once per message; reply with the time it ended
+    (``time.perf_counter``). ``None`` ends it."""
+    os.sched_setaffinity(0, {core})
     import torch
 
+    torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(9)
     params = [torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(count)]
     for param in params:

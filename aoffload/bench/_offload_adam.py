@@ -29,9 +29,10 @@ import torch
 
 from ._common import Report, Table, format_value, progress
 from ._offload_adam_paced import (
+    ADAM_ONE,
     ALONE,
     AT_ONCE,
-    HOST,
+    COPIES,
     IDEAL,
     LR,
     PACED,
@@ -39,19 +40,21 @@ from ._offload_adam_paced import (
     SECTION,
     SEQUENTIAL,
     Step,
+    at_once,
     interleaved,
     paced,
 )
 from ._overlap_report import BACKWARDS
 
 __all__ = [
+    "ADAM_ONE",
     "ALONE",
     "AT_ONCE",
     "BACKWARDS",
+    "COPIES",
     "FOREACH",
     "FUSED",
     "FUSED_CLIP",
-    "HOST",
     "IDEAL",
     "OFFLOAD",
     "OFFLOAD_CLIP",
@@ -197,6 +200,7 @@ def run(report: Report, *, quick: bool) -> None:
     try:
         _real_model(report, reps)
         paced(report, reps)
+        at_once(report, 3 * reps)
     finally:
         torch.set_num_threads(threads)
         if affinity is not None:
