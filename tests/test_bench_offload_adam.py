@@ -39,6 +39,9 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
         section.PACED_SPLIT,
         section.ALONE,
         section.IDEAL,
+        section.COPIES,
+        section.ADAM_ONE,
+        section.AT_ONCE,
     ):
         assert system in measured, f"{system} was not measured: {sorted(measured)}"
     steps = {m for m in measured[section.PACED] if m.startswith("step, t_b")}

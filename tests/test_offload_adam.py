@@ -4,6 +4,7 @@ the sync and async forms agree; the state dict resumes exactly and loads across 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -140,13 +141,70 @@ def test_the_sync_form_agrees_exactly_with_the_async_form() -> None:
     o.assert_identical(sync, o.reference(run))
 
 
-async def test_parameters_change_only_inside_the_step() -> None:
+async def test_fp32_parameters_live_in_shared_memory_and_move_their_versions_in_the_step() -> None:
+    """fp32 CPU parameters are views of the worker's shared memory, their gradients too: the
+    backward writes where the worker reads, the worker's step lands in them, and their version
+    counters move when the step settles (what a checkpoint's fence looks at)."""
     model = o.mlp()
     run = o.Run()
     async with o.offload_adam(model, run) as opt:
+        params = list(model.parameters())
+        buckets = opt._off.buckets
+        assert all(all(b.resident) for b in buckets)
+        masters = {id(p): b.master_views[i] for b in buckets for i, p in enumerate(b.params)}
+        grads = {id(p): b.grad_views[i] for b in buckets for i, p in enumerate(b.params)}
+        assert all(p.data_ptr() == masters[id(p)].data_ptr() for p in params)
+        before = [p.detach().clone() for p in params]
+        versions = [p._version for p in params]
+        o.backward(model, 0, run, opt.no_sync)  # every bucket is submitted and steps now
+        assert all(p.grad.data_ptr() == grads[id(p)].data_ptr() for p in params)
+        assert opt._off.in_step()
+        await opt._waits.until(opt._off.core.outcomes, opt._off.core.outcomes.idle)
+        assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        assert [p._version for p in params] == versions  # the worker wrote them
+        await opt.astep()
+        assert all(p._version > v for p, v in zip(params, versions, strict=True))
+        opt.zero_grad()
+        assert all(p.grad is None for p in params)  # torch.optim's meaning
+        o.backward(model, 1, run, opt.no_sync)  # written into shared memory again
+        assert all(p.grad.data_ptr() == grads[id(p)].data_ptr() for p in params)
+        await opt.astep()
+
+
+async def test_a_closed_optimizer_gives_the_parameters_memory_of_their_own() -> None:
+    model, twin = o.mlp(), o.mlp()
+    run = o.Run()
+    for step in range(4):  # a new optimizer (a fresh state) each step, on both sides
+        adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+        async with o.offload_adam(model, run) as opt:
+            shared = {b.master.untyped_storage().data_ptr() for b in opt._off.buckets}
+            assert all(all(b.resident) for b in opt._off.buckets)  # taken in again
+            for m in (model, twin):
+                o.loss_of(m, step, 0, run).backward()
+            await opt.astep()
+            adamw.step()
+        for p in model.parameters():
+            storage = p.untyped_storage()
+            assert storage.data_ptr() not in shared
+            assert storage.nbytes() == 4 * p.numel()  # alone in its storage
+            assert p.grad is not None
+            assert p.grad.untyped_storage().nbytes() == 4 * p.numel()
+        o.assert_identical([p.detach() for p in model.parameters()], list(twin.parameters()))
+        o.assert_identical(
+            [p.grad for p in model.parameters()], [p.grad for p in twin.parameters()]
+        )
+        model.zero_grad()
+        twin.zero_grad()
+
+
+async def test_bf16_parameters_change_only_inside_the_step() -> None:
+    run = o.Run(dtype=torch.bfloat16)
+    model = o.mlp(run.dtype)
+    async with o.offload_adam(model, run) as opt:
+        assert not any(any(b.resident) for b in opt._off.buckets)
         before = [p.detach().clone() for p in model.parameters()]
         versions = [p._version for p in model.parameters()]
-        o.backward(model, 0, run, opt.no_sync)  # every bucket is submitted and steps now
+        o.backward(model, 0, run, opt.no_sync)
         assert opt._off.in_step()
         await opt._waits.until(opt._off.core.outcomes, opt._off.core.outcomes.idle)
         o.assert_identical([p.detach() for p in model.parameters()], before)
@@ -154,6 +212,70 @@ async def test_parameters_change_only_inside_the_step() -> None:
         await opt.astep()
         assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         assert all(p._version > v for p, v in zip(model.parameters(), versions, strict=True))
+
+
+@pytest.mark.parametrize(
+    "how", ["opt.zero_grad()", "opt.zero_grad(False)", "a gradient set by hand", "micro-batches"]
+)
+async def test_every_way_of_handling_gradients_trains_as_adamw(how: str) -> None:
+    """Gradients kept (zeroed in place), dropped, set by hand or accumulated: the same
+    steps as torch.optim.AdamW's, and the shared gradient is .grad wherever autograd made it."""
+    model, twin = o.mlp(), o.mlp()
+    run = o.Run()
+    adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+    async with o.offload_adam(model, run) as opt:
+        shared = {id(p): b.grad_ptrs[i] for b in opt._off.buckets for i, p in enumerate(b.params)}
+        for step in range(4):
+            if how == "a gradient set by hand":
+                for m in (model, twin):
+                    for p in list(m.parameters())[::2]:
+                        p.grad = torch.full_like(p, 0.01)
+            for m, optimizer in ((model, opt), (twin, adamw)):
+                if how == "micro-batches":
+                    with opt.no_sync() if optimizer is opt else contextlib.nullcontext():
+                        o.loss_of(m, step, 1, run).backward()
+                o.loss_of(m, step, 0, run).backward()
+            await opt.astep()
+            adamw.step()
+            by_hand = how == "a gradient set by hand"
+            kept = [
+                p.grad.data_ptr() == shared[id(p)]
+                for i, p in enumerate(model.parameters())
+                if not (by_hand and i % 2 == 0)
+            ]
+            assert all(kept)
+            for optimizer in (opt, adamw):
+                optimizer.zero_grad(set_to_none=how != "opt.zero_grad(False)")
+    o.assert_identical([p.detach() for p in model.parameters()], list(twin.parameters()))
+
+
+async def test_a_re_pointed_parameter_is_taken_back_into_shared_memory() -> None:
+    model, twin = o.mlp(), o.mlp()
+    run = o.Run()
+    adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+    async with o.offload_adam(model, run) as opt:
+        for step in range(4):
+            if step == 2:  # a new tensor as the data of every parameter
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                    p.data = p.detach() * 0.5
+                    q.data = q.detach() * 0.5
+                shared = [
+                    b.master_views[i].data_ptr()
+                    for b in opt._off.buckets
+                    for i in range(len(b.params))
+                ]
+                assert not {p.data_ptr() for p in model.parameters()} & set(shared)
+            for m in (model, twin):
+                o.loss_of(m, step, 0, run).backward()
+            await opt.astep()
+            adamw.step()
+            opt.zero_grad()
+            adamw.zero_grad()
+        for bucket in opt._off.buckets:  # back in the master, still resident
+            assert all(bucket.resident)
+            for param, view in zip(bucket.params, bucket.master_views, strict=True):
+                assert param.data_ptr() == view.data_ptr()
+    o.assert_identical([p.detach() for p in model.parameters()], list(twin.parameters()))
 
 
 def _state_round_trip(sd: dict[str, object]) -> dict[str, object]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aoffload
+from aoffload._runtime.gate import GATE
 from aoffload.testing import kill_worker
 
 from . import _offload as o
@@ -162,6 +163,52 @@ async def test_a_staging_across_a_step_fails_loudly(tmp_path: Path) -> None:
         with pytest.raises(aoffload.CheckpointError, match="modified in place"):
             await staged
         assert "across" not in engine.tags()
+
+
+async def test_a_bucket_is_sent_only_once_a_staging_copy_of_it_has_ended() -> None:
+    """The worker writes resident parameters in place: a bucket the backward completes while
+    a staging copy of its memory is in progress waits for the copy (here a hold taken by
+    hand, as the checkpoint pipeline takes it at stage())."""
+    model = big_model()
+    async with aoffload.OffloadAdam(model.parameters(), backend="torch", bucket_mb=4) as opt:
+        core = opt._off.core
+        assert core is not None
+        params = list(model.parameters())
+        reading = GATE.begin_read({p.untyped_storage().data_ptr() for p in params})
+        assert reading.busy is None
+        assert len(reading.regions) == len(opt._off.buckets)
+        before = [p.detach().clone() for p in params]
+        backward = threading.Thread(target=big_step, args=(model, 0), name="backward-thread")
+        try:
+            backward.start()
+            backward.join(timeout=1.0)
+            assert backward.is_alive()  # its first hook waits for the copy...
+            assert core.outcomes.idle()
+            assert not core.outcomes.completed
+            o.assert_identical([p.detach() for p in params], before)
+        finally:
+            GATE.end_read(reading)
+        backward.join(timeout=120)
+        assert not backward.is_alive()
+        await opt.astep()
+        assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+async def test_staging_the_parameters_during_a_step_is_refused(tmp_path: Path) -> None:
+    model = big_model()
+    async with (
+        aoffload.CheckpointEngine(tmp_path, durable=False) as engine,
+        aoffload.OffloadAdam(model.parameters(), backend="torch") as opt,
+    ):
+        big_step(model, 0)  # the worker is stepping the parameters in place
+        with pytest.raises(aoffload.CheckpointError, match="stepping now"):
+            engine.stage(model.state_dict(), "model.pt", tag="during")
+        await opt.astep()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        await engine.save(model.state_dict(), "model.pt", tag="during")  # between steps: fine
+        await engine.commit("during")
+        loaded = await engine.load("model.pt", tag="during")
+        assert _same(loaded, expected)
 
 
 async def test_stagings_while_the_worker_steps_are_exact(tmp_path: Path) -> None:

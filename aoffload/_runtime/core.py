@@ -56,6 +56,14 @@ _BATCH = 256  # replies read per wake-up, at most
 _INLINE_WRITE = 1 << 16  # bytes: a bigger request is written on the sender thread
 
 
+def _dumps(request: Request) -> bytes | memoryview:
+    """``request`` pickled: plainly for a :attr:`Call.plain` call, else with multiprocessing's
+    reducers (tensors in shared memory travel by handle)."""
+    if request.call.plain:
+        return pickle.dumps(request, pickle.HIGHEST_PROTOCOL)
+    return ForkingPickler.dumps(request)
+
+
 def _complete(waiter: _Waiter, value: object, error: BaseException | None) -> None:
     if not isinstance(waiter, concurrent.futures.Future):
         waiter(value, error)
@@ -259,9 +267,9 @@ class WorkerCore:
         with self._send_lock:
             if self._requests is None:
                 raise ClosedError(f"the {self.name} worker is closed")
-            message: Request | memoryview = request
+            message: Request | bytes | memoryview = request
             if not self._backlog:
-                data = ForkingPickler.dumps(request)
+                data = _dumps(request)
                 if len(data) <= _INLINE_WRITE:
                     # A broken pipe means the worker died: EOF reports it to every waiter.
                     with contextlib.suppress(OSError):
@@ -274,12 +282,12 @@ class WorkerCore:
             self._sender.submit(self._write_later, self._requests, message, request.id)
 
     def _write_later(
-        self, requests: Connection, message: Request | memoryview, request_id: int
+        self, requests: Connection, message: Request | bytes | memoryview, request_id: int
     ) -> None:
         # Not under the send lock: a big write blocks until the worker has read it, and
         # nothing else writes while the backlog is not empty.
         try:
-            data = ForkingPickler.dumps(message) if isinstance(message, Request) else message
+            data = _dumps(message) if isinstance(message, Request) else message
             requests.send_bytes(data)
         except OSError:
             pass  # the worker died (EOF reports it), or the pipe was closed by release()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = [
     "Call",
@@ -62,9 +62,15 @@ class Wire:
 
 
 class Call(Wire, Generic[R]):
-    """A request whose reply is an ``R``; subclass it as a frozen dataclass."""
+    """A request whose reply is an ``R``; subclass it as a frozen dataclass.
+
+    ``plain = True`` on a subclass says that its fields are plain Python values (never a
+    tensor or anything else that travels by handle): it is then pickled without
+    multiprocessing's reducers, which costs a per-call copy of their dispatch table.
+    """
 
     __slots__ = ()
+    plain: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,9 @@ was on its way is that same orderly end: the worker leaves quietly, without a tr
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import importlib
 import logging
 import multiprocessing
@@ -73,7 +75,9 @@ def ignore_job_signals() -> None:
 
 
 Handler = Callable[[Any], object]
-"""Runs one request of the type it is registered for and returns its (picklable) result."""
+"""Runs one request of the type it is registered for and returns its (picklable) result,
+or a :class:`concurrent.futures.Future` of it: the reply is then sent when it resolves, from
+the thread that resolves it (replies may overtake each other)."""
 
 
 class Service:
@@ -92,6 +96,10 @@ class Service:
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """The handler of each request type this service answers."""
         raise NotImplementedError
+
+    def quiesce(self) -> None:
+        """Block until every reply the service owes (a future a handler returned) is sent;
+        called before the reply to a Shutdown."""
 
     def close(self) -> None:
         """Release the service's resources; called once, on shutdown."""
@@ -217,7 +225,7 @@ def _main(
         service.close()
         return
     try:
-        _serve(handlers, requests, sender)
+        _serve(service, handlers, requests, sender)
     finally:
         service.close()
 
@@ -231,7 +239,12 @@ def _send(sender: _Sender, message: object) -> bool:
     return True
 
 
-def _serve(handlers: dict[type[Call[Any]], Handler], requests: Connection, sender: _Sender) -> None:
+def _serve(
+    service: Service,
+    handlers: dict[type[Call[Any]], Handler],
+    requests: Connection,
+    sender: _Sender,
+) -> None:
     while True:
         try:
             request: Request = requests.recv()
@@ -239,18 +252,35 @@ def _serve(handlers: dict[type[Call[Any]], Handler], requests: Connection, sende
             return  # the trainer is gone: nobody is left to serve
         call = request.call
         if type(call) is Shutdown:
+            service.quiesce()
             _send(sender, Reply(request.id))
             return
+        result: object = None
+        error: BaseException | None = None
         try:
             handle = handlers.get(type(call))
             if handle is None:
                 raise TypeError(f"this worker serves no {type(call).__qualname__} requests")
-            reply: Reply | Failure = Reply(request.id, handle(call))
+            result = handle(call)
         except Exception as exc:  # noqa: BLE001 - sent back as RemoteError; the worker goes on
-            reply = Failure(request.id, *_failure_fields(exc))
-        try:
-            if not _send(sender, reply):
-                return  # the trainer is gone while its reply was on its way
-        except Exception as exc:  # noqa: BLE001 - an unpicklable result fails that request only
-            if not _send(sender, Failure(request.id, *_failure_fields(exc))):
-                return
+            error = exc
+        if isinstance(result, concurrent.futures.Future):
+            result.add_done_callback(functools.partial(_reply_later, sender, request.id))
+        elif not _reply(sender, request.id, result, error):
+            return  # the trainer is gone while its reply was on its way
+
+
+def _reply(sender: _Sender, request_id: int, result: object, error: BaseException | None) -> bool:
+    """Send the reply to a request (a failure if ``error``); ``False`` if the trainer is gone."""
+    reply = (
+        Reply(request_id, result) if error is None else Failure(request_id, *_failure_fields(error))
+    )
+    try:
+        return _send(sender, reply)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result fails that request only
+        return _send(sender, Failure(request_id, *_failure_fields(exc)))
+
+
+def _reply_later(sender: _Sender, request_id: int, done: concurrent.futures.Future[Any]) -> None:
+    error = done.exception()
+    _reply(sender, request_id, None if error is not None else done.result(), error)

@@ -2,7 +2,8 @@
 
 ``stage()`` (:meth:`Pipeline.stage`, on the caller's thread) records what soundness needs
 before it returns (each tensor's version counter, an event on each CUDA device's current
-stream) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
+stream, a hold on memory a worker writes in place: :mod:`aoffload._runtime.gate`, released
+when the copy ends) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
 
 1. plans the state (:func:`._plan.plan`: the pickled skeleton, the tensors' layout,
    and a value the default load could not read back: an error with
@@ -25,11 +26,12 @@ import concurrent.futures
 import logging
 from typing import Any, Literal
 
-from .._errors import InvalidStateError
+from .._errors import CheckpointError, InvalidStateError
 from .._runtime.core import WorkerCore
+from .._runtime.gate import GATE, Reading
 from .._runtime.threads import DaemonThreadExecutor
 from ._copy import CopyPool, Events, stage_events
-from ._plan import Plan, Versions, plan, versions
+from ._plan import Plan, Versions, cpu_storages, plan, versions
 from ._staging import Region, Segment
 from ._tags import FileJob, Tags
 from .writer._calls import FileRecord, MapSegment, TensorRecord, WriteFile
@@ -54,14 +56,33 @@ class Pipeline:
         self._copies: set[concurrent.futures.Future[float]] = set()
 
     def stage(self, job: FileJob, state: object) -> None:
-        """Start staging ``state`` as ``job`` (the caller's thread; O(entries), never O(bytes))."""
+        """Start staging ``state`` as ``job`` (the caller's thread; O(entries), never O(bytes)).
+
+        Memory a worker writes in place (OffloadAdam's parameters) is held until the copy
+        ends, so that the worker's next write waits for it; held while a step is writing
+        it, the staging is refused here (see :mod:`aoffload._runtime.gate`).
+        """
         recorded = versions(state)
-        events = stage_events()
-        self._thread.submit(self._run, job, state, recorded, events)
+        reading = GATE.begin_read(cpu_storages(state) if GATE.guarding() else ())
+        if reading.busy is not None:
+            raise CheckpointError(
+                f"cannot stage {job.name!r}: it holds {reading.busy}, which its worker is "
+                "stepping now (the backward sent them and the step has not returned). Stage "
+                "the parameters between steps: after `await opt.astep()` (or `opt.step()`) "
+                "and before the next backward"
+            )
+        try:
+            events = stage_events()
+            self._thread.submit(self._run, job, state, recorded, events, reading)
+        except BaseException:
+            GATE.end_read(reading)
+            raise
 
     # -- the stage thread ----------------------------------------------------------------
 
-    def _run(self, job: FileJob, state: object, recorded: Versions, events: Events) -> None:
+    def _run(
+        self, job: FileJob, state: object, recorded: Versions, events: Events, reading: Reading
+    ) -> None:
         try:
             planned = plan(state, job.name, recorded, check=self._unloadable != "ignore")
             del state
@@ -74,9 +95,11 @@ class Pipeline:
                 self._map(segment)
             copy = self._pool.copy(region, planned, events, job.name)
         except BaseException as exc:  # noqa: BLE001 - the job's futures carry it
+            GATE.end_read(reading)
             self._tags.failed(job, exc)
             return
         self._copies.add(copy)
+        copy.add_done_callback(lambda _: GATE.end_read(reading))  # before the hand-off
         copy.add_done_callback(lambda done: self._hand_off(job, planned, region, done))
 
     def _map(self, segment: Segment) -> None:

@@ -32,7 +32,17 @@ from .._errors import InvalidStateError
 from ._loadable import Allowed, message, refused
 from ._staging import aligned
 
-__all__ = ["Plan", "Versions", "View", "key_of", "modified", "plan", "version_of", "versions"]
+__all__ = [
+    "Plan",
+    "Versions",
+    "View",
+    "cpu_storages",
+    "key_of",
+    "modified",
+    "plan",
+    "version_of",
+    "versions",
+]
 
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
 _UNRECORDED: Any = object()
@@ -148,6 +158,29 @@ class _CheckingPickler(_Pickler):
         if self.refused is None:
             self.refused = refused(obj, self.allowed)
         return NotImplemented
+
+
+def cpu_storages(state: object) -> set[int]:
+    """The addresses of the CPU storages of ``state``'s tensors (its dicts, lists and tuples).
+
+    Runs on the caller's thread when ``stage()`` is called and something is guarded
+    (:mod:`aoffload._runtime.gate`); O(entries).
+    """
+    found: set[int] = set()
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu" and value.layout == torch.strided:
+                try:
+                    found.add(value.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    continue  # no storage of its own (a subclass, a functional tensor)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return found
 
 
 def version_of(tensor: torch.Tensor) -> int | None:

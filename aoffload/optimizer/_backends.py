@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ _FUSED_ADAMW: Any = getattr(torch, "_fused_adamw_", None)
 class _Moments:
     """Optimizer state of one sub-group in the torch backend."""
 
-    __slots__ = ("exp_avg", "exp_avg_sq", "grad", "param", "pieces", "step")
+    __slots__ = ("count", "exp_avg", "exp_avg_sq", "grad", "param", "pieces", "step")
 
     def __init__(
         self, param: torch.Tensor, grad: torch.Tensor, pieces: tuple[tuple[int, int], ...]
@@ -51,6 +52,7 @@ class _Moments:
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
         self.step = 0
+        self.count = torch.zeros((), dtype=torch.float32)  # the step, as the kernel takes it
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` as the separate tensors laid out in it (see ``Register.pieces``)."""
@@ -79,8 +81,7 @@ class TorchBackend:
         self._lr = [group.lr for group in groups]
         self._groups = groups
         self._subgroups: dict[tuple[int, int], _Moments] = {}
-        self._scratch = torch.empty(0, dtype=torch.float32)
-        self._step_count = torch.zeros((), dtype=torch.float32)
+        self._local = threading.local()  # each stepping thread's scratch buffer
 
     def register(
         self,
@@ -91,8 +92,14 @@ class TorchBackend:
         pieces: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self._subgroups[group_id, subgroup_id] = _Moments(param.view(-1), grad.view(-1), pieces)
-        if self._scratch.numel() < param.numel():
-            self._scratch = torch.empty(param.numel(), dtype=torch.float32)
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """This thread's scratch buffer of ``numel`` elements (sub-groups step side by side
+        on several threads)."""
+        scratch: torch.Tensor | None = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._local.scratch = torch.empty(numel, dtype=torch.float32)
+        return scratch[:numel]
 
     def set_lr(self, group_id: int, lr: float) -> None:
         self._lr[group_id] = lr
@@ -157,11 +164,11 @@ class TorchBackend:
             # One pass over memory instead of six: torch's fused AdamW kernel, same formula,
             # over the same tensors as torch.optim.AdamW(fused=True) (its vectorised loop and
             # scalar tail round differently: the pieces keep the results bit-identical).
-            self._step_count.fill_(state.step)
+            state.count.fill_(state.step)
             split = state.split
             _FUSED_ADAMW(
                 split(param), split(grad), split(exp_avg), split(exp_avg_sq), [],
-                [self._step_count] * max(1, len(state.pieces)),
+                [state.count] * max(1, len(state.pieces)),
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group.weight_decay,
                 eps=group.eps, amsgrad=False, maximize=False,
             )  # fmt: skip
@@ -172,7 +179,7 @@ class TorchBackend:
             bias2 = 1.0 / math.sqrt(1.0 - beta2**state.step)
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = self._scratch[: param.numel()]
+        denom = self._scratch(param.numel())
         torch.sqrt(exp_avg_sq, out=denom)
         denom.mul_(bias2).add_(group.eps)
         if group.weight_decay > 0:
@@ -193,7 +200,7 @@ class TorchBackend:
         # As DeepSpeed's adam_rollback: bias correction always applies, whatever the group says.
         bias1 = 1.0 - beta1**state.step
         bias2 = 1.0 - beta2**state.step
-        denom = self._scratch[: param.numel()]
+        denom = self._scratch(param.numel())
         torch.div(exp_avg_sq, bias2, out=denom)
         denom.sqrt_().add_(group.eps)
         param.addcdiv_(exp_avg, denom, value=lr / bias1)

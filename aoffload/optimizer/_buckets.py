@@ -1,40 +1,93 @@
 """OffloadAdam's buckets: the model's parameters grouped into the worker's sub-groups.
 
-A bucket holds parameters of one param group, one device and one dtype, up to a size in
-fp32 bytes, taken in backward order (the reverse of their order in the group: the last
-layers' gradients are ready first). Started, it owns two flat fp32 tensors in shared
+A bucket holds parameters of one param group, one device and one dtype (laid out by
+:mod:`._bucket_plan`). Started, it owns two flat fp32 tensors in shared
 memory that the worker maps: the **master** (the parameters' values the worker steps in
 place) and the **grad** (what the step reads), with a view of each shaped like every
 parameter, each starting on a 64-byte boundary.
 
-The model's own parameters are never written by the worker: a bucket *publishes* its
-master into them (:meth:`Bucket.publish`, an in-place copy that moves their version
-counters) once the step is final, on the thread that runs ``step()``/``astep()``. So the
-model changes only inside the step, as with any ``torch.optim`` optimizer, speculative
-values are never seen, and :class:`~aoffload.CheckpointEngine`'s fence rule and its
-version check apply to the parameters unchanged.
+**Resident parameters.** An fp32 CPU parameter that is contiguous and alone in its storage
+*lives in* the master: at start its ``.data`` becomes its view of the master, so the
+worker's step lands in the parameter itself, with no copy back. The worker writes them
+from the moment their bucket is sent until the step returns; the step moves their version
+counters when it settles (:meth:`Bucket.publish`), so :class:`~aoffload.CheckpointEngine`'s
+fence rule sees the change, and the bucket's memory is guarded
+(:mod:`aoffload._runtime.gate`) so that a staging copy and the worker's writes never
+overlap. When the optimizer closes they get memory of their own again
+(:meth:`Bucket.release`).
 
-A parameter changed outside the optimizer (``model.load_state_dict()``, an in-place
-initialisation, a re-pointed ``.data``) is noticed by its version counter or its data
-pointer before its bucket's next step, and the master takes its value (:meth:`Bucket.resync`).
+Their gradients live in the shared grad too, and ``zero_grad()`` keeps ``torch.optim``'s
+meaning. A pre-hook on each one's gradient accumulator (:meth:`Bucket.first_grad`) writes
+the step's first gradient into the shared grad and hands autograd that view, which it
+keeps as ``.grad`` (it owns it alone, so it takes it without a copy); later gradients of
+the step (accumulation) are added to it in place. That one write is the least a gradient
+can cost to reach the worker: no zeroing, no second copy, no allocation. A gradient
+autograd made elsewhere (``create_graph=True``, one set by hand) is copied in by the
+post-accumulate hook.
+
+Every other parameter (bf16/fp16, CUDA, a view into a larger storage, a tensor subclass)
+is *copied*: the hook copies its gradient into the shared grad, and the bucket
+*publishes* the stepped master into it (:meth:`Bucket.publish`, an in-place copy that
+moves its version counter) once the step is final, on the step's thread.
+
+A parameter changed outside the optimizer is noticed before its bucket's next step: a
+copied one by its version counter or its data pointer, a resident one by its data pointer
+(``model.load_state_dict()`` writes a resident parameter's memory in place, which the
+master already is); the master takes its value (:meth:`Bucket.resync`).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._errors import OptimizerError
+from .._errors import ClosedError, OptimizerError
 
-__all__ = ["ALIGN", "Bucket", "plan"]
+__all__ = ["ALIGN", "Bucket", "aligned", "can_reside", "copy_into"]
 
 ALIGN = 16
 """Elements: every parameter's view starts on a 64-byte boundary of the flat buffers."""
 
 
-def _aligned(numel: int) -> int:
+def aligned(numel: int) -> int:
+    """``numel`` rounded up to :data:`ALIGN`."""
     return -(-numel // ALIGN) * ALIGN
+
+
+def can_reside(param: torch.Tensor) -> bool:
+    """Whether ``param`` can be a view of its bucket's shared master: an fp32 CPU tensor,
+    contiguous, alone in its storage, of no tensor subclass."""
+    data = param.detach()
+    return (
+        type(data) is torch.Tensor
+        and data.device.type == "cpu"
+        and data.dtype == torch.float32
+        and data.layout == torch.strided
+        and data.is_contiguous()
+        and data.storage_offset() == 0
+        and data.untyped_storage().nbytes() == 4 * data.numel()
+        and not data.is_inference()
+    )
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``; a plain contiguous CPU source of ``target``'s dtype is one
+    ``memmove``, without the GIL and without torch's intra-op threads: on cores the
+    worker's threads share, a parallel copy waits for a preempted thread at every step."""
+    if (
+        source.device.type == "cpu"
+        and source.dtype == target.dtype
+        and source.layout == torch.strided
+        and source.is_contiguous()
+        and target.is_contiguous()
+        and source.numel() == target.numel()
+        and not (source.is_conj() or source.is_neg())
+    ):
+        ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+    else:
+        target.copy_(source)
 
 
 def _shared(numel: int) -> torch.Tensor:
@@ -52,10 +105,14 @@ class Bucket:
     """
 
     __slots__ = (
+        "accumulators",
         "arrived",
+        "copied_params",
+        "copied_views",
         "device",
         "dtype",
         "grad",
+        "grad_ptrs",
         "grad_views",
         "group_id",
         "has_grad",
@@ -71,6 +128,8 @@ class Bucket:
         "params",
         "phase",
         "ptrs",
+        "resident",
+        "resident_params",
         "submitted",
         "versions",
     )
@@ -87,8 +146,14 @@ class Bucket:
         self.grad: torch.Tensor | None = None
         self.master_views: list[torch.Tensor] = []
         self.grad_views: list[torch.Tensor] = []
+        self.grad_ptrs: list[int] = []  # where each parameter's shared gradient is
+        self.accumulators: list[object] = []  # resident parameters' gradient accumulators
         self.versions: list[int] = []
         self.ptrs: list[int] = []
+        self.resident: list[bool] = []  # each parameter lives in the master (see the module)
+        self.resident_params: list[torch.Tensor] = []
+        self.copied_params: list[torch.Tensor] = []  # the others, and their master views
+        self.copied_views: list[torch.Tensor] = []
         self.link: object = None  # the device link of a CUDA bucket (see _cuda)
         self.arrived: list[bool] = []
         self.has_grad: list[bool] = []
@@ -101,7 +166,7 @@ class Bucket:
     @property
     def numel(self) -> int:
         """Elements of the flat buffers (every view padded to :data:`ALIGN`)."""
-        return self.offsets[-1] + _aligned(self.params[-1].numel()) if self.params else 0
+        return self.offsets[-1] + aligned(self.params[-1].numel()) if self.params else 0
 
     def add(self, param: torch.Tensor, index: int) -> None:
         """Lay ``param`` (the optimizer's parameter ``index``) out after the others."""
@@ -112,27 +177,104 @@ class Bucket:
     # -- life ----------------------------------------------------------------------------
 
     def allocate(self) -> None:
-        """Make the shared master (with the parameters' values) and grad; record versions."""
+        """Make the shared master (with the parameters' values) and grad, move the resident
+        parameters and their gradients into them; record versions."""
         numel = self.numel
         self.master, self.grad = _shared(numel), _shared(numel)
         self.master.zero_()  # the padding too: every element the worker steps is a number
         self.grad.zero_()
         self.master_views = list(self._views(self.master))
         self.grad_views = list(self._views(self.grad))
+        self.grad_ptrs = [view.data_ptr() for view in self.grad_views]
         with torch.no_grad():
             for param, view in zip(self.params, self.master_views, strict=True):
                 view.copy_(param.detach())
+        cpu = self.device.type == "cpu"
+        self.resident = [cpu and can_reside(param) for param in self.params]
+        for position, resident in enumerate(self.resident):
+            if resident:
+                self._move_in(position)
+        self._sort()
         self.mark_published()
         self.reset()
+
+    def _move_in(self, position: int) -> None:
+        """Make parameter ``position`` a view of the master (its value is there already),
+        and a gradient it has a view of the shared grad."""
+        param = self.params[position]
+        grad = param.grad
+        param.data = self.master_views[position]
+        if grad is not None:
+            if grad.is_sparse:
+                raise OptimizerError("OffloadAdam does not support sparse gradients")
+            view = self._grad_view(position)
+            view.copy_(grad)
+            param.grad = view
+
+    def _grad_view(self, position: int) -> torch.Tensor:
+        """A new view of parameter ``position``'s shared gradient (autograd may take it as
+        ``.grad`` without a copy only if nothing else holds it)."""
+        if self.grad is None:
+            raise ClosedError("OffloadAdam was closed during the backward")
+        offset, param = self.offsets[position], self.params[position]
+        return self.grad[offset : offset + param.numel()].view(param.shape)
+
+    def first_grad(self, position: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """A gradient accumulator's pre-hook (the backward's thread): a resident parameter
+        with no ``.grad`` gets this gradient written into the shared grad, and that view
+        instead (autograd keeps it as ``.grad``). ``None``: leave the gradient alone (an
+        accumulation, a layout the view cannot take, a bucket already sent: then a shared
+        ``.grad`` is let go, so that the late gradient cannot change what the worker reads)."""
+        param = self.params[position]
+        current = param.grad
+        if self.submitted:
+            if current is not None and current.data_ptr() == self.grad_ptrs[position]:
+                param.grad = None  # a late gradient must not change what the worker reads
+            return None
+        if (
+            not self.resident[position]
+            or current is not None
+            or grad.layout != torch.strided
+            or not grad.is_contiguous()
+        ):
+            return None
+        view = self._grad_view(position)
+        copy_into(view, grad)
+        return view
+
+    def _sort(self) -> None:
+        self.resident_params = [p for p, r in zip(self.params, self.resident, strict=True) if r]
+        copied = [i for i, resident in enumerate(self.resident) if not resident]
+        self.copied_params = [self.params[i] for i in copied]
+        self.copied_views = [self.master_views[i] for i in copied]
+
+    @property
+    def address(self) -> int:
+        """Where the master's memory starts (the key of its guard; 0 once released)."""
+        return 0 if self.master is None else self.master.untyped_storage().data_ptr()
 
     def _views(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
         for param, offset in zip(self.params, self.offsets, strict=True):
             yield flat[offset : offset + param.numel()].view(param.shape)
 
     def release(self) -> None:
-        """Drop the shared buffers (the worker has gone)."""
+        """Drop the shared buffers (the worker has gone): the resident parameters, and their
+        shared gradients, get memory of their own again, with their values."""
+        with torch.no_grad():
+            for position, resident in enumerate(self.resident):
+                param = self.params[position]
+                if not resident:
+                    continue
+                if param.data_ptr() == self.master_views[position].data_ptr():
+                    param.data = param.detach().clone()
+                grad = param.grad
+                if grad is not None and grad.data_ptr() == self.grad_ptrs[position]:
+                    param.grad = grad.clone()
         self.master = self.grad = None
         self.master_views, self.grad_views = [], []
+        self.resident_params, self.copied_params, self.copied_views = [], [], []
+        self.resident = [False] * len(self.params)
+        self.grad_ptrs, self.accumulators = [], []
         self.link = None
 
     # -- a step --------------------------------------------------------------------------
@@ -156,10 +298,13 @@ class Bucket:
         return self.missing == 0
 
     def take_grad(self, position: int, grad: torch.Tensor) -> None:
-        """Copy a CPU parameter's gradient into the shared grad (fp32) on this thread."""
+        """Have a CPU parameter's gradient in the shared grad (fp32), on this thread: a
+        resident parameter's usually is already (see :meth:`first_grad`), else a copy."""
+        if grad.data_ptr() == self.grad_ptrs[position]:
+            return
         if grad.is_sparse:
             raise OptimizerError("OffloadAdam does not support sparse gradients")
-        self.grad_views[position].copy_(grad)
+        copy_into(self.grad_views[position], grad)
 
     def fill_missing(self) -> None:
         """Take the gradients no hook delivered (set by hand, or none: zeros) for a CPU bucket."""
@@ -174,6 +319,14 @@ class Bucket:
                 self.has_grad[position] = True
             self.arrived[position] = True
         self.missing = 0
+
+    def let_go(self) -> None:
+        """Set the shared gradients of resident parameters to ``None`` (``zero_grad`` while
+        the worker may read them: they must not be zeroed under it)."""
+        for position, param in enumerate(self.params):
+            grad = param.grad
+            if grad is not None and grad.data_ptr() == self.grad_ptrs[position]:
+                param.grad = None
 
     def compute_norms(self) -> None:
         """Each delivered gradient's 2-norm, as ``clip_grad_norm_`` computes it."""
@@ -191,11 +344,13 @@ class Bucket:
     # -- the parameters --------------------------------------------------------------------
 
     def changed(self) -> list[int]:
-        """Positions of parameters changed outside the optimizer since it last published."""
+        """Positions of parameters changed outside the optimizer since it last published: a
+        resident one when its data was re-pointed (in place, it writes the master itself)."""
         return [
             i
             for i, param in enumerate(self.params)
-            if param._version != self.versions[i] or param.data_ptr() != self.ptrs[i]
+            if param.data_ptr() != self.ptrs[i]
+            or (not self.resident[i] and param._version != self.versions[i])
         ]
 
     def resync(self, values: Sequence[torch.Tensor] | None = None) -> None:
@@ -217,70 +372,38 @@ class Bucket:
                         f"parameter {self.indices[i]} changed shape from {tuple(master.shape)} "
                         f"to {tuple(value.shape)}: an optimizer's parameters keep their shape"
                     )
-                if not torch.equal(master.to(value.dtype), value):
+                if self.resident[i]:
+                    self._move_back(i, value)
+                elif not torch.equal(master.to(value.dtype), value):
                     master.copy_(value)
         self.mark_published()
 
+    def _move_back(self, position: int, value: torch.Tensor) -> None:
+        """A resident parameter's data was re-pointed (``load_state_dict(assign=True)``,
+        ``param.data = ...``): the master takes the value and the parameter lives in it
+        again, or, if it no longer can (another dtype), is copied from now on."""
+        param = self.params[position]
+        self.master_views[position].copy_(value)
+        if can_reside(param):
+            param.data = self.master_views[position]
+            return
+        self.resident[position] = False
+        grad = param.grad
+        if grad is not None and grad.data_ptr() == self.grad_ptrs[position]:
+            param.grad = grad.to(param.dtype)
+        self._sort()
+
     def publish(self) -> None:
-        """Copy the stepped master into the model's CPU parameters (on the step's thread)."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master_views)
+        """The step is final: copy the stepped master into the copied parameters, and move
+        the resident ones' version counters (the worker wrote them); the step's thread."""
+        if self.copied_params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copied_params, self.copied_views)
+        for param in self.resident_params:
+            torch.autograd.graph.increment_version(param)
         self.mark_published()
 
     def mark_published(self) -> None:
         """The parameters hold the master's values now: remember their versions."""
         self.versions = [param._version for param in self.params]
         self.ptrs = [param.data_ptr() for param in self.params]
-
-
-def plan(
-    param_groups: Sequence[dict[str, object]],
-    bucket_bytes: int,
-    *,
-    first_group: int = 0,
-    first_param: int = 0,
-    first_bucket: int = 0,
-) -> list[Bucket]:
-    """Lay the parameters of ``param_groups`` out in buckets (nothing is allocated).
-
-    The groups are the optimizer's from ``first_group`` on, whose first parameter is the
-    optimizer's parameter ``first_param``; bucket ids start at ``first_bucket``. Parameters
-    that do not require a gradient are left out: like ``torch.optim``'s optimizers,
-    OffloadAdam never steps a parameter without a gradient.
-    """
-    buckets: list[Bucket] = []
-    index = first_param
-    for group_id, group in enumerate(param_groups, start=first_group):
-        params = group["params"]
-        if not isinstance(params, list):
-            raise OptimizerError(f"param group {group_id}: 'params' must be a list")
-        numbered = list(enumerate(params, start=index))
-        index += len(params)
-        open_buckets: dict[tuple[torch.device, torch.dtype], tuple[Bucket, int]] = {}
-        for position, param in reversed(numbered):
-            if not isinstance(param, torch.Tensor) or not param.requires_grad:
-                continue
-            _check_param(group_id, param)
-            key = (param.device, param.dtype)
-            nbytes = 4 * _aligned(param.numel())
-            current = open_buckets.get(key)
-            if current is None or (current[1] and current[1] + nbytes > bucket_bytes):
-                bucket = Bucket(first_bucket + len(buckets), group_id, *key)
-                buckets.append(bucket)
-                current = (bucket, 0)
-            bucket, used = current
-            bucket.add(param, position)
-            open_buckets[key] = (bucket, used + nbytes)
-    return buckets
-
-
-def _check_param(group_id: int, param: torch.Tensor) -> None:
-    if not param.is_floating_point():
-        raise OptimizerError(f"param group {group_id}: a {param.dtype} parameter cannot be stepped")
-    if param.device.type not in ("cpu", "cuda"):
-        raise OptimizerError(
-            f"param group {group_id}: a parameter on {param.device}: OffloadAdam steps CPU and "
-            "CUDA parameters"
-        )
-    if param.is_sparse or param.numel() == 0:
-        raise OptimizerError(f"param group {group_id}: sparse and empty parameters are not stepped")

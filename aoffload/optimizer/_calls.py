@@ -23,6 +23,7 @@ __all__ = [
     "Done",
     "GetInfo",
     "GroupConfig",
+    "Hurry",
     "Info",
     "Kernel",
     "Load",
@@ -60,6 +61,9 @@ class AdamConfig:
     exact_rollback: bool
     cores: tuple[int, ...] | None  # CPU affinity of the worker; None leaves it as inherited
     threads: int | None  # torch (and OpenMP) threads of the worker; None leaves the default
+    side_by_side: bool = False
+    """The torch backend steps sub-groups side by side on that many threads, one core each
+    (replies then come in completion order; see ``_stepper``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,14 @@ class SetGroups(Call[None]):
 
 
 @dataclass(frozen=True, slots=True)
+class Hurry(Call[None]):
+    """Trainer -> worker: the trainer now waits for the steps it sent (the backward is over):
+    step them on every core (see ``_stepper``). Answered at once."""
+
+    plain = True
+
+
+@dataclass(frozen=True, slots=True)
 class Done(Wire):
     """Reply to a :class:`Step`: the sub-group's step count after it, and the compute time."""
 
@@ -114,6 +126,7 @@ class Done(Wire):
 class Step(Call[Done]):
     """Trainer -> worker, per step: ids and scalars only, never tensors."""
 
+    plain = True
     group_id: int
     subgroup_id: int
     lr: float | None

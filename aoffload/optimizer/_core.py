@@ -30,7 +30,7 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, Info, SetGroups, Step
+from ._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Step
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._service import TARGET
 from ._state import StateTransfer, parse
@@ -55,7 +55,8 @@ def _chain(source: concurrent.futures.Future[Any], target: concurrent.futures.Fu
 class OptimizerCore:
     """Adam(W) in a worker process, driven from any thread; the faces' common core.
 
-    ``groups`` are validated param groups; the other arguments are :class:`~aoffload.CPUAdam`'s.
+    ``groups`` are validated param groups; the other arguments are :class:`~aoffload.CPUAdam`'s,
+    but ``side_by_side`` (OffloadAdam's: see :class:`~._calls.AdamConfig`).
     """
 
     def __init__(
@@ -66,8 +67,10 @@ class OptimizerCore:
         worker_cores: float | None,
         exact_rollback: bool,
         close_timeout: float,
+        side_by_side: bool = False,
     ) -> None:
         self.groups = groups
+        self._side_by_side = side_by_side
         self._requested_backend = backend
         self._worker_cores = worker_cores
         self._exact = exact_rollback
@@ -118,6 +121,7 @@ class OptimizerCore:
                 exact_rollback=self._exact,
                 cores=split.worker,
                 threads=split.threads,
+                side_by_side=self._side_by_side,
             )
             worker = WorkerCore(TARGET, config, name="cpu-adam", close_timeout=self._close_timeout)
             self.worker = worker
@@ -266,6 +270,17 @@ class OptimizerCore:
                 fired = outcomes.ready_locked()
             outcomes.fire(fired)
             raise
+
+    def hurry(self) -> None:
+        """Tell the worker that the trainer now waits for the steps it sent (OffloadAdam's
+        worker then steps them on every core); from any thread, never blocks."""
+        worker = self.check_running()
+
+        def answered(_: object, error: BaseException | None) -> None:  # the reader thread
+            if error is not None:
+                logger.warning("the CPU Adam worker could not take a Hurry: %s", error)
+
+        worker.submit_callback(Hurry(), answered)
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> concurrent.futures.Future[None]:
         """Replace the groups' hyper-parameters (or add groups) for the steps sent after this;

@@ -6,15 +6,20 @@ optimizer core's worker, with an fp32 master and gradient in shared memory. A
 post-accumulate-grad hook takes each gradient as autograd produces it and submits a
 bucket the moment it is complete, from the thread that runs the backward
 (:mod:`._offloader`); ``step()``/``astep()`` submits what remains, validates the global
-norm (speculation, :mod:`._offload_step`) and publishes each bucket's new values into the
-model's parameters as it is done. ``step()`` blocks on the core; ``astep()`` awaits the
-same flow, and the loop wakes once per burst of results.
+norm (speculation, :mod:`._offload_step`) and settles each bucket as it is done.
+``step()`` blocks on the core; ``astep()`` awaits the same flow, and the loop wakes once
+per burst of results.
 
-The model's parameters change only inside ``step()``/``astep()``, on the calling thread,
-by in-place copies that move their version counters: the worker never writes them. So
-:class:`~aoffload.CheckpointEngine`'s fence rule covers them as it covers any optimizer:
-a parameter staged before a step and fenced after it fails loudly, and a torn copy cannot
-happen silently.
+fp32 CPU parameters *live in* the shared masters, their gradients in the shared grads:
+the backward writes each gradient once, where the worker reads it, and the worker's step
+lands in the parameters themselves, with no copy either way on the trainer's thread. So
+they are written by the worker from the moment the backward sends their bucket until the
+step returns, and their version counters move when the step settles. A checkpoint of
+them is exact or fails loudly, never torn: a staging copy taken between steps holds back
+the next backward's first send of that memory until it has ended, one taken during a
+step is refused, and one fenced after the step fails its version check
+(:mod:`aoffload._runtime.gate`). Other parameters (bf16/fp16, CUDA) keep a master of their
+own, and change only inside ``step()``/``astep()``, by copies on the calling thread.
 """
 
 from __future__ import annotations
@@ -127,11 +132,15 @@ class OffloadAdam(torch.optim.Optimizer):
     :meth:`no_sync` (the hooks then let autograd accumulate); the last backward submits.
 
     Memory and devices: every parameter has an fp32 master and an fp32 gradient in shared
-    memory, and Adam's two fp32 moments live in the worker. CPU parameters (fp32, bf16,
-    fp16) get their new values copied in by the step; CUDA parameters send their
-    gradients through pinned buffers on a side stream and get their values back the same
-    way (the step does not wait for the device). The state (:meth:`state_dict`) has
-    ``torch.optim.AdamW``'s layout and loads into either.
+    memory, and Adam's two fp32 moments live in the worker. An fp32 CPU parameter (one
+    that is contiguous and alone in its storage) *is* its master from :meth:`start` on:
+    its ``.data`` becomes a view of the worker's shared memory, and so does the
+    ``.grad`` the backward makes, so no copy runs on the trainer's thread; the worker
+    writes it from the moment the backward sends its bucket until the step returns.
+    Other CPU parameters (bf16, fp16) get their new values copied in by the step; CUDA
+    parameters send their gradients through pinned buffers on a side stream and get their
+    values back the same way (the step does not wait for the device). The state
+    (:meth:`state_dict`) has ``torch.optim.AdamW``'s layout and loads into either.
     """
 
     def __init__(
@@ -348,6 +357,15 @@ class OffloadAdam(torch.optim.Optimizer):
         finally:
             offloader.sync = previous
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim``'s ``zero_grad``. Between the backward and the end of the step the
+        worker may still read the gradients kept in shared memory: those are set to
+        ``None`` then, never zeroed in place."""
+        offloader = self._offloader
+        if offloader is not None and offloader.running and offloader.in_step():
+            offloader.let_go()
+        super().zero_grad(set_to_none)
+
     def _take_unfinished(self) -> concurrent.futures.Future[object] | None:
         unfinished, self._off.unfinished = self._off.unfinished, None
         return unfinished
@@ -384,7 +402,8 @@ class OffloadAdam(torch.optim.Optimizer):
         the next forward), then raises :class:`asyncio.CancelledError`. A second
         cancellation abandons the wait: the step finishes on a thread, and the next step
         and the next backward's hooks wait for it, but a forward run meanwhile would see
-        the parameters of before the step.
+        parameters that the worker is still writing (or, for copied ones, their values
+        of before the step).
         """
         outcomes = self._running_core().outcomes
         unfinished = self._take_unfinished()

@@ -4,6 +4,8 @@ The hooks have submitted every bucket whose gradients arrived: those steps ran (
 *speculatively*, with the gradients as they are, while the backward went on. The step
 then, on the caller's thread:
 
+0. tells the worker that the trainer now waits (it steps on every core from then on, on
+   all but one while the backward runs);
 1. waits for the CUDA hand-offs still on the link thread, if any;
 2. submits the buckets no hook completed (their gradients taken from ``param.grad``, a
    zero gradient for a parameter that has none);
@@ -14,8 +16,11 @@ then, on the caller's thread:
    ``max_grad_norm`` **clips**: each bucket, once its speculative step is back, has its
    gradients scaled by ``clip_grads_with_norm_``'s coefficient and its step rolled back
    and redone; otherwise the speculative steps stand;
-4. settles: as each bucket's final step is back, its master is published into the
-   model's parameters, so the copies overlap the worker's remaining buckets.
+4. settles: as each bucket's final step is back, it is published: the parameters that
+   live in the master (fp32 CPU) have their version counters moved, the others get the
+   master copied in, so the copies overlap the worker's remaining buckets. Once nothing
+   is in flight, the worker writes no parameter until the next backward sends a bucket
+   (:meth:`Offloader.landed`).
 
 Rollbacks are exact (the worker keeps a pre-step copy when speculation is on), so with
 the ``torch`` backend the result is bit-identical to clipping first and stepping after.
@@ -122,6 +127,7 @@ def step_flow(off: Offloader) -> Flow:
     errors: list[BaseException] = []
     verdict: _Verdict | None = None
     try:
+        core.hurry()  # the backward is over: the worker may take every core
         if off.links is not None:
             flushed = off.links.flush()
             if not flushed.done():
@@ -142,6 +148,7 @@ def step_flow(off: Offloader) -> Flow:
             _add(errors, error)
         for bucket in off.buckets:
             bucket.reset()
+    off.landed()
     for call in [call for call in off.group_calls if call.done()]:
         off.group_calls.remove(call)
         if call.exception() is not None:

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import ClosedError, OptimizerError
-from ._buckets import Bucket, plan
+from .._runtime.gate import GATE
+from ._bucket_plan import plan
+from ._buckets import Bucket
 from ._calls import GroupConfig
 from ._core import OptimizerCore
 from ._offload_state import Loaded, config_of
@@ -55,6 +57,26 @@ class Options:
         return self.max_grad_norm is not None or self.skip_nonfinite
 
 
+_Key = tuple[object, ...]
+
+
+def _group_key(group: dict[str, Any]) -> _Key | None:
+    """A param group's hyper-parameters as comparable values (``None``: a tensor ``lr``,
+    which a scheduler may change in place)."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        return None
+    betas = group.get("betas")
+    return (
+        lr,
+        tuple(betas) if isinstance(betas, (list, tuple)) else betas,
+        group.get("eps"),
+        group.get("weight_decay"),
+        group.get("amsgrad"),
+        group.get("maximize"),
+    )
+
+
 class Offloader:
     """The worker, the buckets and the hooks of one OffloadAdam; see the module docstring."""
 
@@ -71,6 +93,7 @@ class Offloader:
         self.late: list[int] = []  # parameters whose gradient came after their bucket left
         self.group_calls: list[concurrent.futures.Future[None]] = []
         self._sent: list[GroupConfig] = []  # the hyper-parameters the worker has
+        self._seen: dict[int, tuple[_Key | None, float]] = {}  # each group's values, checked
         self._hooks: list[RemovableHandle] = []
         # A step whose astep() was cancelled, finishing on a thread: the next waits for it.
         self.unfinished: concurrent.futures.Future[object] | None = None
@@ -91,11 +114,12 @@ class Offloader:
             worker_cores=options.worker_cores,
             exact_rollback=options.speculative,
             close_timeout=options.close_timeout,
+            side_by_side=True,
         )
         self._allocate(self.buckets)
         core.start(options.start_timeout)
         self._register(self.buckets)
-        self._sent = list(configs)
+        self._set_sent(configs)
         if pending is not None:
             self.load(pending)
         for bucket in self.buckets:
@@ -112,6 +136,12 @@ class Offloader:
     def _allocate(self, buckets: Sequence[Bucket]) -> None:
         for bucket in buckets:
             bucket.allocate()
+            if bucket.resident_params:
+                GATE.guard(
+                    bucket.address,
+                    f"parameters {bucket.indices} (param group {bucket.group_id}) of an "
+                    "OffloadAdam",
+                )
             if bucket.device.type == "cuda":
                 if self.links is None:
                     from ._cuda import CudaLinks
@@ -136,6 +166,14 @@ class Offloader:
         for position, param in enumerate(bucket.params):
             hook = functools.partial(self.on_grad, bucket, position)
             self._hooks.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+            if bucket.resident[position]:
+                with torch.enable_grad():  # the accumulator, kept so that it stays the one
+                    accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                if accumulator is None:
+                    raise RuntimeError("a parameter that requires grad has no accumulator")
+                bucket.accumulators.append(accumulator)
+                before = functools.partial(self.before_grad, bucket, position)
+                self._hooks.append(accumulator.register_prehook(before))
 
     def pin(self) -> None:
         """Pin the trainer's CPUs (only with ``worker_cores``); on the trainer's thread."""
@@ -164,6 +202,7 @@ class Offloader:
                 self.links.close()
                 self.links = None
             for bucket in self.buckets:
+                GATE.unguard(bucket.address)
                 bucket.release()
 
     def _core(self) -> OptimizerCore:
@@ -173,6 +212,30 @@ class Offloader:
         return core
 
     # -- the backward ----------------------------------------------------------------------
+
+    def before_grad(
+        self, bucket: Bucket, position: int, grads: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...] | None:
+        """A resident parameter's gradient accumulator's pre-hook: the step's first gradient
+        goes straight into the shared grad (:meth:`Bucket.first_grad`); never raises."""
+        if not self.running or torch.is_grad_enabled():
+            return None  # create_graph=True: autograd keeps a graph, not our view
+        unfinished = self.unfinished
+        if unfinished is not None:
+            concurrent.futures.wait([unfinished])  # its redo may still read the grads
+        try:
+            view = bucket.first_grad(position, grads[0])
+        except Exception as exc:  # noqa: BLE001 - raised by the step, never into autograd
+            self.record(exc)
+            return None
+        return None if view is None else (view,)
+
+    def let_go(self) -> None:
+        """``zero_grad`` during a step: the shared gradients the worker may read are not
+        zeroed but set to ``None`` (the next backward writes them anew)."""
+        for bucket in self.buckets:
+            if bucket.resident_params:
+                bucket.let_go()
 
     def on_grad(self, bucket: Bucket, position: int, param: torch.Tensor) -> None:
         """A post-accumulate-grad hook: take the gradient; submit the bucket it completes."""
@@ -246,22 +309,34 @@ class Offloader:
         bucket.submitted = True
         if bucket.master is None or bucket.grad is None:
             raise ClosedError("OffloadAdam was closed during the step")
+        if bucket.resident_params:
+            GATE.begin_write(bucket.address)  # after any staging copy of it; until landed()
         core.submit(bucket.group_id, bucket.index, bucket.master, bucket.grad, lr=bucket.lr)
 
     def group_lr(self, group_id: int) -> float:
         """The group's learning rate now; its other hyper-parameters, if they changed since
         the worker last had them, are sent first (schedulers may change betas too)."""
-        config = config_of(group_id, self.groups[group_id])
+        group = self.groups[group_id]
+        key = _group_key(group)
+        seen = self._seen.get(group_id)
+        if key is not None and seen is not None and seen[0] == key:
+            return seen[1]  # as when last checked: nothing to validate or send
+        config = config_of(group_id, group)
         with self.lock:
             if dataclasses.replace(self._sent[group_id], lr=config.lr) != config:
                 self.send_groups()
+            self._seen[group_id] = (key, config.lr)
         return config.lr
 
     def send_groups(self) -> None:
         """Send every group's hyper-parameters to the worker (the caller holds :attr:`lock`)."""
         configs = tuple(config_of(i, group) for i, group in enumerate(self.groups))
         self.group_calls.append(self._core().set_groups(configs))
+        self._set_sent(configs)
+
+    def _set_sent(self, configs: Sequence[GroupConfig]) -> None:
         self._sent = list(configs)
+        self._seen = {}
 
     def fill_missing(self, bucket: Bucket) -> None:
         """Take the gradients of a bucket no hook completed (on the step's thread)."""
@@ -276,6 +351,12 @@ class Offloader:
             self.links.publish(bucket)
         else:
             bucket.publish()
+
+    def landed(self) -> None:
+        """The step has ended: the worker writes no parameter until the next one is sent."""
+        for bucket in self.buckets:
+            if bucket.resident_params:
+                GATE.end_write(bucket.address)
 
     def by_key(self, group_id: int, subgroup_id: int) -> Bucket:
         """The bucket registered as sub-group ``subgroup_id`` of group ``group_id``."""
@@ -320,7 +401,7 @@ class Offloader:
             view = bucket.master_views[position]
             view.copy_(master.view(view.shape))
         with self.lock:
-            self._sent = list(loaded.configs)
+            self._set_sent(loaded.configs)
 
     def apply_groups(self, loaded: Loaded) -> None:
         """Give the param groups the loaded hyper-parameters (their params stay)."""

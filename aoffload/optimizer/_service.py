@@ -8,6 +8,8 @@ optimizer; any other DeepSpeed warning is kept, see :mod:`._deepspeed_start`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import os
 import sys
@@ -25,6 +27,7 @@ from ._calls import (
     Allocate,
     Done,
     GetInfo,
+    Hurry,
     Info,
     Load,
     Register,
@@ -34,6 +37,7 @@ from ._calls import (
     StateInfo,
     Step,
 )
+from ._stepper import Stepper
 
 __all__ = ["TARGET", "AdamService"]
 
@@ -52,6 +56,11 @@ class AdamService(Service):
             torch.set_num_threads(config.threads)
         self._cores = config.cores
         self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
+        # The torch backend steps sub-groups side by side, one core each (see _stepper);
+        # DeepSpeed's op keeps state across calls and steps one sub-group at a time.
+        threads = torch.get_num_threads()
+        side_by_side = config.side_by_side and isinstance(self._backend, TorchBackend)
+        self._stepper = Stepper(threads) if side_by_side and threads > 1 else None
         self._exact = config.exact_rollback
         self._backups: dict[tuple[int, int], Backup] = {}
         self._registered: dict[tuple[int, int], int] = {}  # numel of each sub-group
@@ -79,8 +88,7 @@ class AdamService(Service):
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """Step, register, report what runs."""
-        return {
-            Step: self._step,
+        others: dict[type[Call[Any]], Handler] = {
             Register: self._register,
             GetInfo: self._info,
             Allocate: self._allocate,
@@ -89,6 +97,23 @@ class AdamService(Service):
             Load: self._load,
             SetGroups: self._set_groups,
         }
+        stepper = self._stepper
+        if stepper is None:
+            return {Step: self._step, Hurry: _nothing, **others}
+        # Any other call runs once the steps sent before it have ended.
+        after = {kind: _after(stepper, handle) for kind, handle in others.items()}
+        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), **after}
+
+    def _submit(self, request: Step) -> concurrent.futures.Future[Done]:
+        if self._stepper is None:
+            raise RuntimeError("no stepping threads")  # a bug of ours
+        key = (request.group_id, request.subgroup_id)
+        return self._stepper.submit(key, functools.partial(self._step, request))
+
+    def quiesce(self) -> None:
+        """Every step sent has ended (its reply is on its way)."""
+        if self._stepper is not None:
+            self._stepper.wait_idle()
 
     def _register(self, request: Register) -> None:
         key = (request.group_id, request.subgroup_id)
@@ -208,12 +233,26 @@ class AdamService(Service):
 
     def close(self) -> None:
         """Drop the tensors (the shared memory is released with the last reference)."""
+        if self._stepper is not None:
+            self._stepper.close()
         if isinstance(self._backend, DeepSpeedBackend):
             self._backend.close()
         self._backups.clear()
         self._registered.clear()
         self._buffers.clear()
         self._waiting.clear()
+
+
+def _nothing(request: Any) -> None:
+    return None
+
+
+def _after(stepper: Stepper, handle: Handler) -> Handler:
+    def run(request: Any) -> object:
+        stepper.wait_idle()
+        return handle(request)
+
+    return run
 
 
 TARGET = target(AdamService)
