@@ -16,12 +16,13 @@ losses, bit for bit, as a run that was never interrupted::
     python examples/offload_adam.py --dir /tmp/run --steps 12               # resumes at 6
     python examples/offload_adam.py --dir /tmp/other --steps 12             # unbroken
 
-The rule of checkpoints: ``astep()`` writes the new values into the model's parameters
-(in place), so await a staging of the model (:meth:`~aoffload.CheckpointEngine.stage`)
-before the next ``astep()``. The next backward may run meanwhile: its buckets step in the
-worker, on the optimizer's own copies, while the engine copies the parameters. A staging
-still copying when ``astep()`` writes fails loudly, never torn. ``astate_dict()`` is a
-snapshot of its own, which later steps never change.
+The rule of checkpoints: stage between steps, and await a staging of the model
+(:meth:`~aoffload.CheckpointEngine.stage`) before the next ``astep()``. The worker steps the
+model's fp32 parameters in place, in shared memory, from the backward's first send of a
+bucket until ``astep()`` returns; the next forward and backward may run while the engine
+copies the parameters, because the backward's first send of a bucket waits for the copy of
+it to end. A staging still unfenced when ``astep()`` returns fails loudly, never torn.
+``astate_dict()`` is a snapshot of its own, which later steps never change.
 """
 
 from __future__ import annotations
@@ -94,11 +95,11 @@ async def train(directory: Path, steps: int, save_every: int, kill_at: int | Non
             tokens, targets = make_batch(step)
             logits = model(tokens)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.flatten())
-            loss.backward()  # <- the hooks send each complete bucket to the worker
+            loss.backward()  # <- the hooks send each complete bucket (after its copy, if staged)
             for one in staged:  # the fence: the last checkpoint's copies are done...
                 await one
             staged = []
-            report = await opt.astep()  # <- ...before the step writes the parameters
+            report = await opt.astep()  # <- ...before the step returns its new values
             if committing is not None:
                 await committing  # durable on disk, in the background meanwhile
                 committing = None

@@ -158,8 +158,8 @@ async def test_a_staging_across_a_step_fails_loudly(tmp_path: Path) -> None:
         await opt.astep()
         opt.zero_grad()
         staged = engine.stage(model.state_dict(), "model.pt", tag="across")
-        big_step(model, 1)  # the worker steps the masters while the copy runs...
-        await opt.astep()  # ...and the step writes the parameters: before the fence
+        big_step(model, 1)  # its first send waits for the copy, then the worker steps...
+        await opt.astep()  # ...and the step moves the versions: before the fence
         with pytest.raises(aoffload.CheckpointError, match="modified in place"):
             await staged
         assert "across" not in engine.tags()
@@ -213,8 +213,8 @@ async def test_staging_the_parameters_during_a_step_is_refused(tmp_path: Path) -
 
 async def test_stagings_while_the_worker_steps_are_exact(tmp_path: Path) -> None:
     """Model and optimizer state staged at the end of a step and fenced before the next
-    step: the next backward's speculative steps run in the worker during the copy, and the
-    files hold exactly the values of stage() time, every time."""
+    step, the next backward running meanwhile (its sends wait for the copy of the memory the
+    worker writes): the files hold exactly the values of stage() time, every time."""
     model = big_model()
     saved: dict[str, tuple[dict[str, torch.Tensor], dict[str, object]]] = {}
     async with (
@@ -235,10 +235,10 @@ async def test_stagings_while_the_worker_steps_are_exact(tmp_path: Path) -> None
                 engine.stage(weights, "model.pt", tag=tag),
                 engine.stage(state, "optim.pt", tag=tag),
             ]
-            big_step(model, step + 1)  # the hooks submit the buckets while the copy runs
+            big_step(model, step + 1)  # the hooks submit the buckets once the copy is done
             submitted = not core.outcomes.idle() or len(core.outcomes.completed) > 0
             for one in staged:
-                await one  # the fence, before the step writes the parameters
+                await one  # the fence, before the step returns
             assert submitted  # the worker stepped this backward's buckets meanwhile
             await engine.commit(tag)
             await opt.astep()
