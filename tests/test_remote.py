@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,13 +193,30 @@ async def test_a_corrupt_remote_file_is_never_cached_nor_loaded(
 # -- a paused and a dead endpoint ----------------------------------------------------------
 
 
+def _snapshot(endpoint: S3Endpoint, url: str) -> dict[str, bytes]:
+    """Every object under ``url``, with ``latest`` as read *before* the listing: whatever it
+    names was complete by then. (Read after the listing, it could name a tag published in
+    between, whose files the listing predates.)"""
+    try:
+        latest: bytes | None = endpoint.get(f"{url}/{_format.LATEST}")
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+        latest = None
+    objects = endpoint.objects(url)
+    objects.pop(_format.LATEST, None)
+    if latest is not None:
+        objects[_format.LATEST] = latest
+    return objects
+
+
 def _watch(endpoint: S3Endpoint, url: str, stop: threading.Event, seen: list[str | None]) -> None:
     """Read the remote tier over and over; fail (record the error) on any partial tag."""
     while not stop.is_set():
         try:
-            seen.append(check_complete(endpoint.objects(url)))
-        except AssertionError as exc:
-            seen.append(f"PARTIAL: {exc}")
+            seen.append(check_complete(_snapshot(endpoint, url)))
+        except (AssertionError, KeyError) as exc:  # a file or the manifest missing
+            seen.append(f"PARTIAL: {exc!r}")
         except OSError as exc:  # a read the paused endpoint timed out or refused
             seen.append(f"ERR {exc!r}")
 
