@@ -269,7 +269,11 @@ class Ranks:
         started: float,
         latest: bool,
     ) -> CommitResult:
-        """Rank 0: gather every rank's files, publish the tag, tell the others."""
+        """Rank 0: gather the ranks' files, publish the tag, tell the others.
+
+        The files of an *away* rank (:meth:`_away`) stay on its node: the tag names them and
+        their sizes, and that rank publishes them itself once told.
+        """
         tag = open_tag.tag
         published: dict[str, _format.FileEntry] = {}
         kept = open_tag.metadata
@@ -277,23 +281,42 @@ class Ranks:
             reports = self._meet.reports(keys)
             entries, sources = merge_reports(tag, reports, self._directory)
             warn_differing(tag, kept, reports)
+            away = self._away(reports)
+            elsewhere = {name: entries[name].bytes for r in away for name in reports[r]["files"]}
+            if away:
+                sources = {source: names for source, names in sources.items() if source.is_dir()}
+            local = {n: e for n, e in entries.items() if n not in elsewhere}
 
             def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
                 published.update(files)
-                sizes = {name: entry.bytes for name, entry in files.items()}
+                sizes = {name: entry.bytes for name, entry in files.items()} | elsewhere
                 return committed(catalog.directory, open_tag, records, started, sizes, kept)
 
             _format.gather(open_tag.tmpdir, sources, durable=self._durable)
-            done = catalog.publish(open_tag.tmpdir, tag, entries, result, kept, latest=latest)
+            done = catalog.publish(open_tag.tmpdir, tag, local, result, kept, latest=latest)
         except BaseException as exc:
             self._meet.set(keys.result, json.dumps({"ok": False, "error": first_line(exc)}))
             raise
-        sizes = {name: entry.bytes for name, entry in published.items()}
-        answer = json.dumps(
-            {"ok": True, "sequence": catalog.sequence, "files": sizes, "metadata": kept}
-        )
-        self._meet.announce(keys, answer)
+        self._gathered(tag, reports, published)
+        sizes = {name: entry.bytes for name, entry in published.items()} | elsewhere
+        answer = {
+            "ok": True,
+            "sequence": catalog.sequence,
+            "files": sizes,
+            "away": away,
+            "metadata": kept,
+        }
+        self._meet.announce(keys, json.dumps(answer))
         return done
+
+    def _away(self, reports: list[dict[str, Any]]) -> list[int]:
+        """The ranks whose files rank 0 cannot gather: none, on one filesystem."""
+        return []
+
+    def _gathered(
+        self, tag: str, reports: list[dict[str, Any]], published: dict[str, _format.FileEntry]
+    ) -> None:
+        """Rank 0, once ``tag`` is published with ``published``: nothing more to note here."""
 
     def _published(
         self,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .._errors import CheckpointError
 from . import _format
 from ._commit import Catalog, CommitResult, committed
-from ._distributed import Ranks, Resolve, merge_reports, warn_differing
+from ._distributed import Ranks, Resolve
 from ._ranks import Keys, first_line
 from ._tags import OpenTag
 from .writer._calls import FileRecord
@@ -108,54 +108,20 @@ class SpreadRanks(Ranks):
             if open_tag.tag not in self._own:
                 self._numbers.pop(open_tag.tag, None)
 
-    def _publish(
-        self,
-        keys: Keys,
-        open_tag: OpenTag,
-        records: dict[str, FileRecord],
-        catalog: Catalog,
-        started: float,
-        latest: bool,
-    ) -> CommitResult:
-        """Rank 0: gather the files of the ranks that share this directory, publish them."""
-        tag = open_tag.tag
-        published: dict[str, _format.FileEntry] = {}
-        kept = open_tag.metadata
-        try:
-            reports = self._meet.reports(keys)
-            entries, sources = merge_reports(tag, reports, self._directory)
-            warn_differing(tag, kept, reports)
-            away = [
-                rank
-                for rank, report in enumerate(reports)
-                if rank and report["files"] and not (self._directory / report["dir"]).is_dir()
-            ]
-            elsewhere = {name: entries[name].bytes for r in away for name in reports[r]["files"]}
-            here = {source: names for source, names in sources.items() if source.is_dir()}
-            local = {n: e for n, e in entries.items() if n not in elsewhere}
+    def _away(self, reports: list[dict[str, Any]]) -> list[int]:
+        """The ranks with files whose temporary directory rank 0 cannot see."""
+        return [
+            rank
+            for rank, report in enumerate(reports)
+            if rank and report["files"] and not (self._directory / report["dir"]).is_dir()
+        ]
 
-            def result(files: Mapping[str, _format.FileEntry]) -> CommitResult:
-                published.update(files)
-                sizes = {name: entry.bytes for name, entry in files.items()} | elsewhere
-                return committed(catalog.directory, open_tag, records, started, sizes, kept)
-
-            _format.gather(open_tag.tmpdir, here, durable=self._durable)
-            done = catalog.publish(open_tag.tmpdir, tag, local, result, kept, latest=latest)
-        except BaseException as exc:
-            self._meet.set(keys.result, json.dumps({"ok": False, "error": first_line(exc)}))
-            raise
+    def _gathered(
+        self, tag: str, reports: list[dict[str, Any]], published: dict[str, _format.FileEntry]
+    ) -> None:
+        """Rank 0 uploads its own files of ``tag``: those no other rank reported."""
         peers = {name for rank, report in enumerate(reports) if rank for name in report["files"]}
         self._own[tag] = {n: e for n, e in published.items() if n not in peers}
-        sizes = {name: entry.bytes for name, entry in published.items()} | elsewhere
-        answer = {
-            "ok": True,
-            "sequence": catalog.sequence,
-            "files": sizes,
-            "away": away,
-            "metadata": kept,
-        }
-        self._meet.announce(keys, json.dumps(answer))
-        return done
 
     def _published(
         self,
