@@ -34,12 +34,12 @@ def _overlap_cpu_adams() -> tuple[str, str]:
     )
 
 
-@pytest.mark.timeout(600)  # the whole --quick benchmark; slower on a loaded machine
+@pytest.mark.timeout(600)  # the whole benchmark, --smoke; slower on a loaded machine
 def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "aoffload.bench", "all", "--quick", "--json", str(out),
+    completed = subprocess.run(  # --smoke: --quick's code, every section, smaller sizes
+        [sys.executable, "-m", "aoffload.bench", "all", "--smoke", "--json", str(out),
          "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )  # fmt: skip
@@ -50,6 +50,7 @@ def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["failed"] == []
     assert data["options"]["quick"] is True
+    assert data["options"]["smoke"] is True
     assert data["machine"]["cpus"] >= 1
     assert {f["section"] for f in data["figures"]} >= {
         "bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed",

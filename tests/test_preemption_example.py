@@ -183,10 +183,10 @@ def test_a_signal_at_a_random_moment_saves_one_step_everywhere_and_resumes_exact
 
     last = start(directory, world, "--steps", str(step + 15))
     jobs.append(last)
+    unbroken = start(tmp_path / "unbroken", world, "--steps", str(step + 15))  # beside it
+    jobs.append(unbroken)
     assert finish(last) == [0] * world
     assert [r.events("resumed") for r in last] == [[(step, d)] for d in saved or []]
-    unbroken = start(tmp_path / "unbroken", world, "--steps", str(step + 15))
-    jobs.append(unbroken)
     assert finish(unbroken) == [0] * world
     assert [r.events("finished") for r in last] == [r.events("finished") for r in unbroken]
 

@@ -29,6 +29,8 @@ from ._ranks import complete_tags
 
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}}}
 """botocore's own retries off: a dead endpoint fails each attempt at once (ours remain)."""
+FAST_BACKOFF = 0.01
+"""Our retries all remain (five attempts), 0.15 s apart in all instead of 7.5 s."""
 
 
 def state(step: int, rows: int = 64) -> dict[str, torch.Tensor]:
@@ -102,6 +104,9 @@ async def test_uploaded_without_a_remote_tier_or_for_an_unknown_tag_is_invalid(
             await engine.uploaded("never")
     with pytest.raises(ValueError, match="fsspec URL"):
         aoffload.CheckpointEngine(tmp_path, remote="/not/a/url")
+    for backoff in (-0.1, 8.5, float("nan")):
+        with pytest.raises(ValueError, match="upload_backoff must be between 0 and 8"):
+            aoffload.CheckpointEngine(tmp_path, remote=aoffload_s3, upload_backoff=backoff)
 
 
 async def test_aclose_waits_for_the_uploads_in_flight(
@@ -255,7 +260,9 @@ async def test_an_endpoint_that_stays_down_fails_the_upload_clearly_and_keeps_th
     tmp_path: Path, endpoint: S3Endpoint
 ) -> None:
     url = endpoint.remote  # type: ignore[attr-defined]
-    async with aoffload.CheckpointEngine(tmp_path, remote=url, storage_options=FAST_FAIL) as engine:
+    async with aoffload.CheckpointEngine(
+        tmp_path, remote=url, storage_options=FAST_FAIL, upload_backoff=FAST_BACKOFF
+    ) as engine:
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")
@@ -344,7 +351,9 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
     options = {"key": key, "secret": secret, **FAST_FAIL}
     url = endpoint.remote  # type: ignore[attr-defined]
     caplog.set_level(logging.DEBUG)
-    async with aoffload.CheckpointEngine(tmp_path, remote=url, storage_options=options) as engine:
+    async with aoffload.CheckpointEngine(
+        tmp_path, remote=url, storage_options=options, upload_backoff=0.1
+    ) as engine:
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         await engine.uploaded("step-1")  # moto takes any credentials: a real upload
@@ -356,7 +365,8 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         config = engine._core.remote.uploader._process._config
         shown = [str(failed.value), repr(failed.value), repr(config), str(config)]
     logged = [record.getMessage() for record in caplog.records]
-    assert any("retry 1 of 4" in line for line in logged)  # the worker's logs did arrive
+    assert any("retry 1 of 4 in 0.1 s" in line for line in logged)  # the worker's logs came
+    assert any("retry 4 of 4 in 0.8 s" in line for line in logged)  # upload_backoff, doubled
     for text in shown + logged:
         assert secret not in text, text
         assert key not in text, text

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from ._common import Report, machine, progress, render
 
+SMOKE_GIB = 1 / 16
+"""--smoke's state: one 64 MiB tensor, the checkpoint section's smallest."""
+
 SECTIONS = (
     "bridge",
     "checkpoint",
@@ -40,10 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         "--size-gib",
         type=float,
         default=None,
-        help="checkpoint state size in GiB (default 1; 0.25 with --quick)",
+        help="checkpoint state size in GiB (default 1; 0.25 with --quick; 1/16 with --smoke)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="fewer repetitions and a smaller state: under a minute"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=(
+            "--quick, smaller still: the least that runs every section and every system end "
+            "to end (figures of n >= 3 keep 3 samples), for the test suite; its figures are "
+            "no measurement of anything"
+        ),
     )
     parser.add_argument(
         "--device", default="cpu", help="where the checkpoint state lives: cpu (default) or cuda"
@@ -56,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         help="directory for checkpoint files (default: a temporary one)",
     )
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    size_gib = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 1.0)
+    default_gib = SMOKE_GIB if args.smoke else 0.25 if args.quick else 1.0
+    size_gib = args.size_gib if args.size_gib is not None else default_gib
     unknown = set(args.section) - {*SECTIONS, "all"}
     if unknown:
         parser.error(f"unknown section {sorted(unknown)}; choose from {', '.join(SECTIONS)}, all")
@@ -89,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             "options": {
                 "sections": list(sections),
                 "quick": args.quick,
+                "smoke": args.smoke,
                 "size_gib": size_gib,
                 "device": args.device,
             },
@@ -112,46 +127,57 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
     if section == "bridge":
         from . import _bridge
 
-        _bridge.run(report, quick=args.quick)
+        _bridge.run(report, quick=args.quick, smoke=args.smoke)
     elif section == "checkpoint":
         from . import _checkpoint
 
         _checkpoint.run(
-            report, quick=args.quick, size_gib=size_gib, directory=args.dir, device=args.device
+            report,
+            quick=args.quick,
+            smoke=args.smoke,
+            size_gib=size_gib,
+            directory=args.dir,
+            device=args.device,
         )
     elif section == "background":
         from . import _background
 
-        _background.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
+        _background.run(
+            report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir
+        )
     elif section == "optimizer":
         from . import _optimizer, _optimizer_state
 
-        _optimizer.run(report, quick=args.quick)
-        _optimizer_state.run(report, quick=args.quick)
+        _optimizer.run(report, quick=args.quick, smoke=args.smoke)
+        _optimizer_state.run(report, quick=args.quick, smoke=args.smoke)
     elif section == "distributed":
         from . import _distributed
 
-        _distributed.run(report, quick=args.quick)
+        _distributed.run(report, quick=args.quick, smoke=args.smoke)
     elif section == "offload_adam":
         from . import _offload_adam
 
-        _offload_adam.run(report, quick=args.quick)
+        _offload_adam.run(report, quick=args.quick, smoke=args.smoke)
     elif section == "remote":
         from . import _remote
 
-        _remote.run(report, quick=args.quick)
+        _remote.run(report, quick=args.quick, smoke=args.smoke)
     elif section == "preemption":
         from . import _preemption
 
-        _preemption.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
+        _preemption.run(
+            report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir
+        )
     elif section == "looplag":
         from . import _looplag
 
-        _looplag.run(report, quick=args.quick, size_gib=size_gib, directory=args.dir)
+        _looplag.run(
+            report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir
+        )
     else:
         from . import _overlap
 
-        _overlap.run(report, quick=args.quick)
+        _overlap.run(report, quick=args.quick, smoke=args.smoke)
 
 
 if __name__ == "__main__":

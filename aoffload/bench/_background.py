@@ -106,7 +106,7 @@ def _hogs(count: int) -> Iterator[None]:
             proc.wait()
 
 
-async def _measure(report: Report, root: Path, size_gib: float, reps: int) -> None:
+async def _measure(report: Report, root: Path, size_gib: float, reps: int, margin: float) -> None:
     import aoffload
 
     state = make_state(size_gib)
@@ -167,7 +167,7 @@ async def _measure(report: Report, root: Path, size_gib: float, reps: int) -> No
             started = time.perf_counter()
             staged = engine.stage(state, "model.pt", tag=name)
             engine.commit_soon(name)  # no fence awaited: the commit waits for the copy itself
-            _block(10 * copy + 2.0)
+            _block(10 * copy + margin)
             watch.stop()
             result = await engine.commit(name)
             if watch.seen is None:
@@ -213,7 +213,9 @@ async def _loaded(report: Report, root: Path, reps: int) -> None:
         )
 
 
-def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None) -> None:
+def run(
+    report: Report, *, quick: bool, smoke: bool = False, size_gib: float, directory: Path | None
+) -> None:
     """Measure what progresses while the loop is blocked, and under a loaded host."""
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-", dir=directory))
     reps = 3 if quick else 5
@@ -222,7 +224,7 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
         f"thread (time.sleep or matrix products on it); {os.cpu_count()} CPUs"
     )
     try:
-        asyncio.run(_measure(report, root, size_gib, reps))
-        asyncio.run(_loaded(report, root, 10 if not quick else 5))
+        asyncio.run(_measure(report, root, size_gib, reps, 1.0 if smoke else 2.0))
+        asyncio.run(_loaded(report, root, 3 if smoke else 5 if quick else 10))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -100,19 +100,28 @@ def disk_seconds(root: Path, nbytes: int) -> float:
 
 
 def run(
-    report: Report, *, quick: bool, size_gib: float, directory: Path | None, device: str = "cpu"
+    report: Report,
+    *,
+    quick: bool,
+    size_gib: float,
+    directory: Path | None,
+    device: str = "cpu",
+    smoke: bool = False,
 ) -> None:
     """Measure every checkpointing system on a ``size_gib`` state dict."""
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-", dir=directory))
     try:
-        _run(report, quick=quick, size_gib=size_gib, root=root, device=device)
+        _run(report, quick=quick, smoke=smoke, size_gib=size_gib, root=root, device=device)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(report: Report, *, quick: bool, size_gib: float, root: Path, device: str) -> None:
+def _run(
+    report: Report, *, quick: bool, smoke: bool, size_gib: float, root: Path, device: str
+) -> None:
     reps = 3
-    computes = (0.0, 0.5) if quick else (0.0, 0.5, 2.0)
+    step = 0.05 if smoke else 0.5  # --smoke: every system runs, no step needs to be long
+    computes = (0.0, step) if quick else (0.0, step, 2.0)
     state = make_state(size_gib, device)
     nbytes = state_bytes(state)
     report.notes.append(
@@ -137,7 +146,7 @@ def _run(report: Report, *, quick: bool, size_gib: float, root: Path, device: st
 
     progress("checkpoint: aoffload stage() + fence")
     nfile = asyncio.run(
-        aoffload_runs(root, state, computes, reps, report, cpu_step_seconds=0.5)
+        aoffload_runs(root, state, computes, reps, report, cpu_step_seconds=step)
     )  # an aoffload failure fails the benchmark: never a skip
     progress("checkpoint: raw O_DIRECT write+fsync of the same bytes")
     disk = report.add(

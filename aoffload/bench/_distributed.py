@@ -131,12 +131,12 @@ def _rank(rank: int, world: int, port: int, root: str, mib: int, reps: int, kill
     dist.destroy_process_group()
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure on 2 (or 4) spawned gloo ranks and add the figures to ``report``."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     world = 4 if (cpus or 1) >= 8 else 2
     mib = 64 if quick else 256
-    reps = 3 if quick else 5
+    reps = 2 if smoke else 3 if quick else 5  # --smoke: still 4 samples (2 per rank)
     kills = 3
     progress(f"distributed: {world} gloo ranks, {mib} MiB of state each, {reps} repetitions")
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-distributed-"))

@@ -142,7 +142,7 @@ async def _foreign_touch(nbytes: int) -> None:
 
 
 async def _one_engine(
-    root: Path, state: dict[str, torch.Tensor], blob: dict[str, bytes]
+    root: Path, state: dict[str, torch.Tensor], blob: dict[str, bytes], repeats: int
 ) -> dict[str, _Ticks]:
     import aoffload
 
@@ -154,8 +154,8 @@ async def _one_engine(
     await _lagged(_idle, case("idle (the loop's own floor)"))
     runs: list[tuple[str, object, list[str]]] = [
         ("cold", state, ["cold"]),
-        (f"warm, x{_REPEATS}", state, [f"warm{i}" for i in range(_REPEATS)]),
-        (f"64 MB bytes value, x{_REPEATS}", blob, [f"blob{i}" for i in range(_REPEATS)]),
+        (f"warm, x{repeats}", state, [f"warm{i}" for i in range(repeats)]),
+        (f"64 MB bytes value, x{repeats}", blob, [f"blob{i}" for i in range(repeats)]),
     ]
     async with aoffload.CheckpointEngine(root, durable=True, keep_last=2) as engine:
         for name, saved, tags in runs:
@@ -199,11 +199,14 @@ def _p99(lags: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None) -> None:
+def run(
+    report: Report, *, quick: bool, smoke: bool = False, size_gib: float, directory: Path | None
+) -> None:
     """Measure the loop's lag during each checkpoint phase, on asyncio's loop and uvloop."""
     from .._runtime.loops import loop_factory
 
     reps = 1 if quick else 3  # --quick: one engine per loop, its figures labelled as such
+    repeats = 2 if smoke else _REPEATS
     tensors = 16
     numel = int(size_gib * 2**30) // 4 // tensors
     state = {f"layer{i}": torch.randn(numel) for i in range(tensors)}
@@ -228,7 +231,9 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
                 try:
                     progress(f"loop lag on {loop_name}: {size_gib:g} GiB state, {rep + 1}/{reps}")
                     with asyncio.Runner(loop_factory=chosen) as runner:
-                        runs.append((loop_name, runner.run(_one_engine(root, state, blob))))
+                        runs.append(
+                            (loop_name, runner.run(_one_engine(root, state, blob, repeats)))
+                        )
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
         started = time.perf_counter()
@@ -270,7 +275,7 @@ def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None)
     report.notes.append(
         f"loop lag: a 1 ms ticker beside each phase, read on time.monotonic, {size_gib:g} GiB "
         f"of fp32 tensors ({tensors} tensors) or one 64 MB bytes value, {reps} fresh "
-        f"engine(s) per loop; warm and bytes phases repeated {_REPEATS} times per engine and "
+        f"engine(s) per loop; warm and bytes phases repeated {repeats} times per engine and "
         "their p99 taken over all their ticks. Ticks over 10 ms that overlapped a full "
         f"(generation 2) garbage collection: {excluded['collection']}; that overlapped a stall "
         f"of an independent ticking process ({policy} priority: "

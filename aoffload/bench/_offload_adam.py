@@ -80,15 +80,18 @@ def offload_buckets(bucket_mb: float) -> str:
 # -- the real model -----------------------------------------------------------------------
 
 
-def _transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _transformer(
+    small: bool = False,
+) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The model (``small``, for --smoke: about 1M parameters, still several 1 MiB buckets)."""
     torch.manual_seed(0)
-    width, vocab, length = 256, 4096, 64
+    width, vocab, length, layers = (128, 2048, 32, 2) if small else (256, 4096, 64, 4)
     layer = torch.nn.TransformerEncoderLayer(
         width, nhead=8, dim_feedforward=4 * width, dropout=0.0, batch_first=True
     )
     model = torch.nn.Sequential(
         torch.nn.Embedding(vocab, width),
-        torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False),
+        torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False),
         torch.nn.Linear(width, vocab),
     )
     tokens = torch.randint(0, vocab, (8, length + 1), generator=torch.Generator().manual_seed(1))
@@ -100,8 +103,8 @@ def _transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.T
     return model, loss_of
 
 
-def _in_process(clip: float | None, **options: Any) -> Step:
-    model, loss_of = _transformer()
+def _in_process(small: bool, clip: float | None, **options: Any) -> Step:
+    model, loss_of = _transformer(small)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **options)
 
     async def step(_: float) -> float:
@@ -117,11 +120,11 @@ def _in_process(clip: float | None, **options: Any) -> Step:
 
 
 async def _offloaded(
-    stack: contextlib.AsyncExitStack, clip: float | None, **options: Any
+    stack: contextlib.AsyncExitStack, small: bool, clip: float | None, **options: Any
 ) -> tuple[Step, str]:
     import aoffload
 
-    model, loss_of = _transformer()
+    model, loss_of = _transformer(small)
     opt = aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip, **options)
     await stack.enter_async_context(opt)
 
@@ -135,30 +138,34 @@ async def _offloaded(
     return step, f"backend={opt.backend}, {len(opt._off.buckets)} buckets"
 
 
-async def _real_model_times(reps: int, notes: dict[str, str]) -> dict[str, list[float]]:
+async def _real_model_times(
+    reps: int, notes: dict[str, str], small: bool
+) -> dict[str, list[float]]:
     async with contextlib.AsyncExitStack() as stack:
         systems: dict[str, Step] = {
-            FOREACH: _in_process(None, foreach=True),
-            FUSED: _in_process(None, fused=True),
-            FUSED_CLIP: _in_process(1.0, fused=True),
+            FOREACH: _in_process(small, None, foreach=True),
+            FUSED: _in_process(small, None, fused=True),
+            FUSED_CLIP: _in_process(small, 1.0, fused=True),
         }
         for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
-            systems[system], notes[system] = await _offloaded(stack, clip)
+            systems[system], notes[system] = await _offloaded(stack, small, clip)
         for bucket_mb in SMALL_BUCKETS:
             system = offload_buckets(bucket_mb)
-            systems[system], notes[system] = await _offloaded(stack, None, bucket_mb=bucket_mb)
+            systems[system], notes[system] = await _offloaded(
+                stack, small, None, bucket_mb=bucket_mb
+            )
         times = await interleaved(systems, [0.0] * (reps + 2))
         return {name: samples[2:] for name, samples in times.items()}  # two warm-up rounds
 
 
-def _real_model(report: Report, reps: int) -> None:
-    model, _ = _transformer()
+def _real_model(report: Report, reps: int, small: bool) -> None:
+    model, _ = _transformer(small)
     numel = sum(p.numel() for p in model.parameters())
     metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
     progress(f"offload_adam: real model, {reps} rounds of 7 systems in turn")
     notes: dict[str, str] = {}
     try:
-        measured = asyncio.run(_real_model_times(reps, notes))
+        measured = asyncio.run(_real_model_times(reps, notes, small))
     except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
         report.fail(SECTION, "real model", exc)
         return
@@ -192,13 +199,13 @@ def _real_model(report: Report, reps: int) -> None:
     )
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """A real model's step against in-process AdamW; a paced backward against the ideal."""
     reps = 3 if quick else 7
     threads = torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        _real_model(report, reps)
+        _real_model(report, reps, smoke)
         paced(report, reps)
         at_once(report, 3 * reps)
     finally:

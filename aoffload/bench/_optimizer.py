@@ -169,10 +169,12 @@ def _sync_pipeline(
     return runs, awaiting
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure the optimizer pipelines."""
     reps = 3 if quick else 7
-    shapes = ((16, 1 << 20),) if quick else ((16, 1 << 20), (4, 10 << 20))
+    shapes = (
+        ((16, 1 << 18),) if smoke else ((16, 1 << 20),) if quick else ((16, 1 << 20), (4, 10 << 20))
+    )
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         for count, numel in shapes:
@@ -183,7 +185,7 @@ def run(report: Report, *, quick: bool) -> None:
 
 
 def _shape(report: Report, count: int, numel: int, reps: int, *, quick: bool) -> None:
-    label = f"{count} x {numel / 1e6:.0f}M"
+    label = f"{count} x {numel / 1e6:.2g}M"
     groups = _subgroups(count, numel)
     baseline: Figure | None = None
     progress(f"optimizer {label}: in-process DeepSpeedCPUAdam")

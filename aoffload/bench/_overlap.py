@@ -153,13 +153,14 @@ def _superoffload(groups: Groups, plan: Plan, *, ours: bool) -> list[float]:
 
     params = [p.clone() for p, _ in groups]
     grads = [g.clone() for _, g in groups]
+    numel = max(p.numel() for p in params)
     optimizer: Any
     if ours:
         import aoffload.deepspeed
 
-        optimizer = aoffload.deepspeed.SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=NUMEL)
+        optimizer = aoffload.deepspeed.SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=numel)
     else:
-        optimizer = SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=NUMEL)
+        optimizer = SuperOffloadCPUOptimizer(dict(CONFIG), max_grad_numel=numel)
     outstanding = 0
     deadline = 0.0
 
@@ -248,11 +249,11 @@ def _restoring(call: Callable[[], T]) -> T:
         torch.set_num_threads(threads)
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure one training step's overlap of backward and optimizer, and overflow."""
     reps = 3 if quick else 7
     windows = 3 if quick else 5
-    groups = _subgroups(SUBGROUPS, NUMEL)
+    groups = _subgroups(SUBGROUPS, NUMEL // 16 if smoke else NUMEL)
     sweep, full = _plan(reps, BACKWARDS, 0), _plan(reps, BACKWARDS, windows)
     overflow_only = _plan(0, (), windows)
     default, alternative, other_cores = _variants()

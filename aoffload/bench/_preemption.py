@@ -176,7 +176,9 @@ def _line(process: subprocess.Popen[str]) -> str:
     return line
 
 
-def run(report: Report, *, quick: bool, size_gib: float, directory: Path | None) -> None:
+def run(
+    report: Report, *, quick: bool, smoke: bool = False, size_gib: float, directory: Path | None
+) -> None:
     """Measure on 2 gloo ranks of ``size_gib`` each and add the figures to ``report``."""
     world, reps, step_seconds = 2, (2 if quick else 4), 0.25
     mib = max(64, int(size_gib * 1024))

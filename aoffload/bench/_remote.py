@@ -147,7 +147,7 @@ async def _stall(
     return stalls, commits
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure the remote section (moto on loopback)."""
     missing = [m for m in ("s3fs", "moto", "boto3") if importlib.util.find_spec(m) is None]
     if missing:
@@ -157,10 +157,10 @@ def run(report: Report, *, quick: bool) -> None:
         return
     from .._moto import S3Endpoint
 
-    total_mib, files = (16, 2) if quick else (64, 4)
+    total_mib, files = (4, 2) if smoke else (16, 2) if quick else (64, 4)
     # 9 repetitions: one upload takes 0.3-0.5 s, and on a shared host single ones spread
     # 0.8-1.4x around the median (5 left the ratio of medians swinging by +-0.1)
-    reps, steps, step = (3, 4, 0.5) if quick else (9, 8, 1.0)
+    reps, steps, step = (3, 2, 0.2) if smoke else (3, 4, 0.5) if quick else (9, 8, 1.0)
     state = _state(total_mib, files)
     with (
         S3Endpoint.start() as endpoint,

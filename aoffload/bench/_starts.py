@@ -133,9 +133,9 @@ def _python(code: str) -> str:
     return run.stdout.strip().splitlines()[-1]
 
 
-def run(report: Report, *, quick: bool) -> None:
+def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure first and later worker starts, each beside ``import torch`` in this run."""
-    probes, later = (3, 5) if quick else (7, 10)
+    probes, later = (3, 1) if smoke else (3, 5) if quick else (7, 10)
     torch_import: list[float] = []
     samples: list[dict[str, Any]] = []
     for i in range(probes):

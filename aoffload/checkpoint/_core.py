@@ -118,6 +118,7 @@ class EngineCore:
         storage_options: Mapping[str, Any] | None = None,
         upload_timeout: float = 600.0,
         early_uploads: bool = False,
+        upload_backoff: float = 0.5,
     ) -> None:
         if unloadable not in ("warn", "error", "ignore"):
             raise ValueError(f"unloadable must be 'warn', 'error' or 'ignore', not {unloadable!r}")
@@ -145,6 +146,7 @@ class EngineCore:
                 storage_options,
                 keep_last=keep_last,
                 upload_timeout=upload_timeout,
+                upload_backoff=upload_backoff,
                 early=early_uploads,
                 close_timeout=close_timeout,
             )

@@ -124,11 +124,13 @@ class CheckpointEngine(AsyncResource):
     unchanged, never logged): ``directory`` stays the fast tier, where ``commit()`` makes
     a tag durable, and each committed tag is then uploaded in the background by an
     uploader process (see :meth:`uploaded`). ``upload_timeout`` bounds how long
-    ``aclose()`` waits for the uploads in flight. A tag's upload starts once its
-    ``commit()`` returned; ``early_uploads=True`` starts each file's upload the moment
-    it is durable instead, for a sooner :meth:`uploaded` at the cost of a slower
-    ``commit()`` where the upload competes with the commit for CPU and disk (see
-    ``docs/remote.md``). On an empty ``directory``, ``latest()``,
+    ``aclose()`` waits for the uploads in flight. A remote operation that fails is
+    retried four times, ``upload_backoff`` seconds after the first failure, then twice
+    as long each time (at most 8 s); a test of a dead endpoint may make it small. A
+    tag's upload starts once its ``commit()`` returned; ``early_uploads=True`` starts
+    each file's upload the moment it is durable instead, for a sooner :meth:`uploaded`
+    at the cost of a slower ``commit()`` where the upload competes with the commit for
+    CPU and disk (see ``docs/remote.md``). On an empty ``directory``, ``latest()``,
     ``tags()`` and ``load()`` see the remote tier. With ``distributed=True`` every rank
     may use its own node-local ``directory``: no shared filesystem is needed.
     """
@@ -153,6 +155,7 @@ class CheckpointEngine(AsyncResource):
         storage_options: Mapping[str, Any] | None = None,
         upload_timeout: float = 600.0,
         early_uploads: bool = False,
+        upload_backoff: float = 0.5,
     ) -> None:
         self._core = EngineCore(
             directory,
@@ -170,6 +173,7 @@ class CheckpointEngine(AsyncResource):
             storage_options=storage_options,
             upload_timeout=upload_timeout,
             early_uploads=early_uploads,
+            upload_backoff=upload_backoff,
         )
         super().__init__()
 

@@ -62,7 +62,7 @@ from .remote._calls import (
     StartFiles,
     UploaderConfig,
 )
-from .remote._store import is_url, redact_url
+from .remote._store import BACKOFF, is_url, redact_url
 
 if TYPE_CHECKING:
     from ._spread import SpreadRanks
@@ -116,6 +116,7 @@ class RemoteTier:
         keep_last: int | None,
         upload_timeout: float,
         close_timeout: float,
+        upload_backoff: float = BACKOFF[0],
         early: bool = False,
     ) -> None:
         if not is_url(url):
@@ -124,13 +125,18 @@ class RemoteTier:
             raise TypeError("storage_options must be a mapping (fsspec's options for the URL)")
         if not upload_timeout > 0:
             raise ValueError(f"upload_timeout must be > 0 seconds, not {upload_timeout!r}")
+        if not 0 <= upload_backoff <= BACKOFF[1]:
+            raise ValueError(
+                f"upload_backoff must be between 0 and {BACKOFF[1]:g} seconds, "
+                f"not {upload_backoff!r}"
+            )
         self.directory = directory
         self.url = redact_url(str(url))
         self.timeout = upload_timeout
         self.early = early
         """Whether each file's upload starts as soon as it is durable (before the commit ends)."""
         self._keep_last = keep_last
-        config = UploaderConfig(str(url), dict(storage_options or {}))
+        config = UploaderConfig(str(url), dict(storage_options or {}), backoff=upload_backoff)
         self.uploader = WorkerCore(
             TARGET, config, name="checkpoint-uploader", close_timeout=close_timeout
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._runtime.protocol import Call
-from ._store import RETRIES, RemoteScan, redact_url
+from ._store import BACKOFF, RETRIES, RemoteScan, redact_url
 
 __all__ = [
     "Discard",
@@ -28,12 +28,14 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class UploaderConfig:
     """Where the remote tier is (an fsspec URL and its ``storage_options``), and how hard
-    to try: ``retries`` per operation, ``concurrency`` files in flight at once."""
+    to try: ``retries`` per operation, the first ``backoff`` seconds apart (then twice as
+    long each time), ``concurrency`` files in flight at once."""
 
     url: str
     storage_options: dict[str, Any] = field(default_factory=dict)
     retries: int = RETRIES
     concurrency: int = 8
+    backoff: float = BACKOFF[0]
 
     def __repr__(self) -> str:  # never the options: they may hold credentials
         hidden = f"<{len(self.storage_options)} hidden>"

@@ -70,7 +70,9 @@ class UploaderService(Service):
             handler.addFilter(_Scrub(redact))
         for name in _QUIET:
             logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-        self._store = RemoteStore(config.url, config.storage_options, config.retries)
+        self._store = RemoteStore(
+            config.url, config.storage_options, config.retries, config.backoff
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, config.concurrency), thread_name_prefix="aoffload-upload"
         )

@@ -38,6 +38,7 @@ from .. import _format
 from ._lanes import Lanes
 
 __all__ = [
+    "BACKOFF",
     "RETRIES",
     "RemoteScan",
     "RemoteStore",
@@ -134,13 +135,20 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def retried(what: str, call: Callable[[], T], redact: Redactor, retries: int = RETRIES) -> T:
-    """``call()``, retried with backoff while it fails with a transient error.
+def retried(
+    what: str,
+    call: Callable[[], T],
+    redact: Redactor,
+    retries: int = RETRIES,
+    backoff: float = BACKOFF[0],
+) -> T:
+    """``call()``, retried with backoff while it fails with a transient error: ``backoff``
+    seconds before the first retry, doubled before each next one, at most ``BACKOFF[1]``.
 
     Raises :class:`CheckpointError` saying ``what`` failed, how many times, and why (the
     message redacted, the original exception not chained: its text may hold a credential).
     """
-    delay = BACKOFF[0]
+    delay = backoff
     for attempt in range(retries + 1):
         try:
             return call()
@@ -185,7 +193,11 @@ class RemoteStore:
     """The checkpoint directory at ``url``, through fsspec with ``storage_options``."""
 
     def __init__(
-        self, url: str, storage_options: Mapping[str, Any] | None = None, retries: int = RETRIES
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        retries: int = RETRIES,
+        backoff: float = BACKOFF[0],
     ) -> None:
         import fsspec  # the remote tier's only dependency: imported when one is used
 
@@ -193,6 +205,7 @@ class RemoteStore:
         self.redact = Redactor(url, options)
         self.url = self.redact.url
         self.retries = retries
+        self.backoff = backoff
         try:
             # a fresh instance: fsspec's cache would reuse one made for another endpoint
             self.fs, root = fsspec.core.url_to_fs(url, **{"skip_instance_cache": True, **options})
@@ -213,7 +226,7 @@ class RemoteStore:
         return "/".join((self.root, *parts))
 
     def _retried(self, what: str, call: Callable[[], T]) -> T:
-        return retried(f"{what} ({self.url})", call, self.redact, self.retries)
+        return retried(f"{what} ({self.url})", call, self.redact, self.retries, self.backoff)
 
     # -- reading ---------------------------------------------------------------------------
 
