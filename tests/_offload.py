@@ -45,6 +45,12 @@ def groups(model: torch.nn.Module) -> list[dict[str, object]]:
     ]
 
 
+def twins() -> tuple[torch.nn.Sequential, torch.nn.Sequential, Run, torch.optim.AdamW]:
+    """Two identical MLPs, the default run, and the reference AdamW over the second's groups."""
+    model, twin = mlp(), mlp()
+    return model, twin, Run(), torch.optim.AdamW(groups(twin), lr=LR, fused=True)
+
+
 def loss_of(model: torch.nn.Module, step: int, micro: int, run: Run) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randn(32, 16, generator=gen)

@@ -220,9 +220,7 @@ async def test_bf16_parameters_change_only_inside_the_step() -> None:
 async def test_every_way_of_handling_gradients_trains_as_adamw(how: str) -> None:
     """Gradients kept (zeroed in place), dropped, set by hand or accumulated: the same
     steps as torch.optim.AdamW's, and the shared gradient is .grad wherever autograd made it."""
-    model, twin = o.mlp(), o.mlp()
-    run = o.Run()
-    adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+    model, twin, run, adamw = o.twins()
     async with o.offload_adam(model, run) as opt:
         shared = {id(p): b.grad_ptrs[i] for b in opt._off.buckets for i, p in enumerate(b.params)}
         for step in range(4):
@@ -250,9 +248,7 @@ async def test_every_way_of_handling_gradients_trains_as_adamw(how: str) -> None
 
 
 async def test_a_re_pointed_parameter_is_taken_back_into_shared_memory() -> None:
-    model, twin = o.mlp(), o.mlp()
-    run = o.Run()
-    adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+    model, twin, run, adamw = o.twins()
     async with o.offload_adam(model, run) as opt:
         for step in range(4):
             if step == 2:  # a new tensor as the data of every parameter
@@ -353,9 +349,7 @@ async def test_a_state_loads_across_offload_adam_and_adamw() -> None:
 
 
 async def test_betas_and_weight_decay_changed_mid_run_take_effect() -> None:
-    model, twin = o.mlp(), o.mlp()
-    run = o.Run()
-    adamw = torch.optim.AdamW(o.groups(twin), lr=o.LR, fused=True)
+    model, twin, run, adamw = o.twins()
     async with o.offload_adam(model, run) as opt:
         for step in range(6):
             if step == 3:
