@@ -10,9 +10,9 @@ largest tick. A loaded state is freed after the phase's ticks. Each figure's sam
 ``reps`` fresh engines.
 
 A load reads a file just committed, which the engine's ``O_DIRECT`` write left out of the
-page cache, from the disk. Its control rows make the same reads in a process of their own:
-the last file of the run, dropped from the page cache before the ticks start, read whole
-and loaded by ``torch.load`` at idle priority, as many times as the engine loaded.
+page cache, from the disk. Its control rows make the same reads in a process of their own,
+right after each load: the same file, dropped from the page cache before the ticks start,
+read whole and loaded by ``torch.load`` at idle priority.
 
 Two things stall a loop that are not aoffload's background work, and each tick they overlap
 is counted apart (the raw figures keep every tick):
@@ -207,11 +207,11 @@ async def _one_engine(
             for i, tag in enumerate(tags):
                 await _lagged(partial(engine.save, saved, "m.pt", tag=tag), case(f"save, {name}"))
                 await _lagged(partial(engine.commit, tag), case(f"commit, {name}"))
-                if i < loads:
-                    await _lagged(partial(engine.load, "m.pt", tag=tag), case(f"load, {name}"))
-            if control and linux:
-                path = root / tags[-1] / "m.pt"
-                for _ in range(loads):
+                if i >= loads:
+                    continue
+                await _lagged(partial(engine.load, "m.pt", tag=tag), case(f"load, {name}"))
+                if control and linux:  # right after, so that the host's noise hits both alike
+                    path = root / tag / "m.pt"
                     _drop_cached(path)
                     await _lagged(
                         partial(_foreign_load, path),
@@ -334,9 +334,9 @@ def run(
         + f"): {excluded['machine']}; both are "
         "kept in the max and p99 rows and left out of the 'outside' rows. The idle row is the "
         "ticker with nothing else running (uvloop's timers fire on whole milliseconds); the "
-        "load control rows read the run's last file from the disk (dropped from the page "
+        "load control rows read the file just loaded from the disk (dropped from the page "
         "cache first, as the engine's O_DIRECT write leaves it) and load it with torch.load, "
-        "in a separate idle-priority process while this loop only ticks, as many times as the "
-        "engine loaded; the last control fills as much new shared memory as the state. A "
+        "in a separate idle-priority process while this loop only ticks, right after each of "
+        "the engine's loads; the last control fills as much new shared memory as the state. A "
         "loaded state is freed after its phase's ticks. Goal max < 20 ms, p99 < 2 ms"
     )
