@@ -40,7 +40,7 @@ from typing import Any
 
 from .._errors import CheckpointError, ClosedError, InvalidStateError
 from .._runtime.core import WorkerCore
-from .._runtime.threads import DaemonThreadExecutor, running_future
+from .._runtime.threads import DaemonThreadExecutor, Handoff, running_future
 from . import _format, _lock, _metadata, _shm, _untrusted
 from ._commit import Catalog, CommitResult, commit_local
 from ._distributed import Ranks
@@ -423,15 +423,16 @@ class EngineCore:
         map_location: MapLocation,
         verify: bool,
         weights_only: bool = True,
-    ) -> concurrent.futures.Future[Any]:
-        """Load file ``name`` of committed ``tag`` on the load thread; the future of it."""
+    ) -> concurrent.futures.Future[Handoff[Any]]:
+        """Load file ``name`` of committed ``tag`` on the load thread; the future of it,
+        handed over (:class:`Handoff`) so that the load thread never frees the state."""
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
         loader = in_writer(self.writer)
         if self.remote is not None:
             latest, known = self.catalog.latest, self.catalog.tags
             return self._loads.submit(
-                load_either,
+                Handoff.of(load_either),
                 self.remote,
                 name,
                 tag,
@@ -443,7 +444,14 @@ class EngineCore:
                 weights_only,
             )
         return self._loads.submit(
-            load_file, self.directory, name, tag, map_location, verify, loader, weights_only
+            Handoff.of(load_file),
+            self.directory,
+            name,
+            tag,
+            map_location,
+            verify,
+            loader,
+            weights_only,
         )
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:

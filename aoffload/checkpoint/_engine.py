@@ -388,4 +388,5 @@ class CheckpointEngine(AsyncResource):
         remote manifest and cached in ``directory/.remote-cache``.
         """
         super().check_running()
-        return await _result(self._core.load(name, tag, map_location, verify, weights_only))
+        loading = self._core.load(name, tag, map_location, verify, weights_only)
+        return (await _result(loading)).take()
