@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,14 @@ async def aoffload_runs(
     reps: int,
     report: Report,
     cpu_step_seconds: float,
+    after_commit: Callable[[int], None] | None = None,
 ) -> int:
-    """Measure stage() + fence at each step length; returns the bytes of one written file."""
+    """Measure stage() + fence at each step length; returns the bytes of one written file.
+
+    ``after_commit(nbytes)`` runs after each measured commit, outside every timed span (the
+    raw disk write that the writer's rate is compared with, made beside it: this host's
+    disk is not as fast from one minute to the next).
+    """
     import aoffload
 
     with scratch(root, "aoffload") as directory:
@@ -80,8 +87,15 @@ async def aoffload_runs(
             await one(0.0)  # warm-up: fills the staging slot once
             calls: list[float] = []
             results: list[Any] = []
+
+            async def measured(compute: float) -> tuple[float, float, float, Any]:
+                run = await one(compute)
+                if after_commit is not None:
+                    after_commit(run[3].bytes)
+                return run
+
             for compute in computes:
-                runs = [await one(compute) for _ in range(reps)]
+                runs = [await measured(compute) for _ in range(reps)]
                 calls += [r[0] for r in runs]
                 results += [r[3] for r in runs]
                 report.add(
