@@ -284,8 +284,8 @@ def run(
     from .._runtime.loops import loop_factory
 
     reps = 1 if quick else 3  # --quick: one engine per loop, its figures labelled as such
-    repeats = 2 if smoke else _REPEATS
-    blob_saves = 2 if smoke else _BLOB_SAVES
+    repeats = 1 if smoke else _REPEATS
+    blob_saves = 1 if smoke else _BLOB_SAVES
     tensors = 16
     numel = int(size_gib * 2**30) // 4 // tensors
     state = {f"layer{i}": torch.randn(numel) for i in range(tensors)}
