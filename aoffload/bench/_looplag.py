@@ -157,13 +157,18 @@ torch.load({str(path)!r}, weights_only=True, mmap=True)
 
 async def _foreign_write(path: Path, nbytes: int) -> None:
     """A save and commit's disk writes made by a process of its own, not aoffload's:
-    ``nbytes`` written with ``O_DIRECT`` in 8 MiB blocks, then fsynced, at idle priority."""
+    ``nbytes`` written with ``O_DIRECT`` (where the filesystem has it) in 8 MiB blocks, then
+    fsynced, at idle priority."""
     code = f"""
 import mmap, os
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 block = mmap.mmap(-1, 8 << 20)
 block.write(os.urandom(8 << 20))
-fd = os.open({str(path)!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0))
+flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+try:
+    fd = os.open({str(path)!r}, flags | getattr(os, "O_DIRECT", 0))
+except OSError:  # a filesystem without O_DIRECT: the engine's writer falls back alike
+    fd = os.open({str(path)!r}, flags)
 left = {nbytes}
 while left > 0:
     left -= os.write(fd, block)
