@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -429,30 +430,18 @@ class EngineCore:
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
         loader = in_writer(self.writer)
+        call: Callable[[], Any]
         if self.remote is not None:
             latest, known = self.catalog.latest, self.catalog.tags
-            return self._loads.submit(
-                Handoff.of(load_either),
-                self.remote,
-                name,
-                tag,
-                latest,
-                known,
-                map_location,
-                verify,
-                loader,
-                weights_only,
+            call = functools.partial(
+                load_either, self.remote, name, tag, latest, known, map_location, verify,
+                loader, weights_only,
+            )  # fmt: skip
+        else:
+            call = functools.partial(
+                load_file, self.directory, name, tag, map_location, verify, loader, weights_only
             )
-        return self._loads.submit(
-            Handoff.of(load_file),
-            self.directory,
-            name,
-            tag,
-            map_location,
-            verify,
-            loader,
-            weights_only,
-        )
+        return self._loads.submit(Handoff.of(call))
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:
         """The future of ``tag``'s upload to the remote tier (default: the newest commit)."""
