@@ -17,6 +17,7 @@ import gc
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,7 +146,8 @@ async def test_a_loaded_state_is_freed_where_its_caller_drops_it(
 ) -> None:
     """Never on the load thread: the loop had run ahead, dropped its reference, and the
     thread's, dropped after, freed the state there, holding the GIL (a 64 MB ``bytes``
-    value's unmap stalled the loop 3-5 ms). Without the hand-off, 20-40 of 200 engine loads were."""
+    value's unmap stalled the loop 3-5 ms). Without the hand-off, 20-40 of 200 engine
+    loads were."""
     freed_on: collections.Counter[str] = collections.Counter()
 
     def note() -> None:
@@ -163,6 +165,34 @@ async def test_a_loaded_state_is_freed_where_its_caller_drops_it(
             del loaded
     await asyncio.sleep(0.05)  # a thread that still held one would free it by now
     assert freed_on == {threading.current_thread().name: 200 if engine else 60}
+
+
+@pytest.mark.blocks_loop
+async def test_a_load_lands_while_the_loop_is_blocked_and_its_caller_frees_it(
+    tmp_path: Path,
+) -> None:
+    """A synchronous step holds the loop: the load verifies and loads 256 MiB on its own
+    thread meanwhile (32 blocks to read and hash), so the state is there within a few loop
+    turns after the step, and it is still freed where the caller drops it."""
+    freed_on: list[str] = []
+    async with aoffload.CheckpointEngine(tmp_path, durable=False) as checkpoints:
+        await checkpoints.save({"w": torch.ones(64 << 20)}, "m.pt", tag="t")
+        await checkpoints.commit("t")
+        loading = asyncio.ensure_future(checkpoints.load("m.pt"))
+        await asyncio.sleep(0)  # the load is handed to its thread
+        time.sleep(1.0)  # noqa: ASYNC251 - the trainer's step, on the loop's thread
+        for _ in range(10):  # loop turns, no waiting
+            if loading.done():
+                break
+            await asyncio.sleep(0)
+        assert loading.done()
+        loaded = loading.result()
+        del loading
+        assert loaded["w"].shape == (64 << 20,)
+        assert bool((loaded["w"][-4:] == 1).all())
+        weakref.finalize(loaded["w"], lambda: freed_on.append(threading.current_thread().name))
+        del loaded
+        assert freed_on == [threading.current_thread().name]
 
 
 async def test_a_load_cancelled_while_the_writer_answers_leaves_no_shared_memory(
