@@ -37,6 +37,7 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
         section.SEQUENTIAL,
         section.PACED,
         section.PACED_SPLIT,
+        section.THREAD,
         section.ALONE,
         section.IDEAL,
         section.COPIES,
@@ -49,4 +50,5 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
     assert steps == {m for m in measured[section.IDEAL] if m.startswith("step, t_b")}
     names = {r["name"] for r in data["ratios"]}
     assert any(n.startswith(f"{section.PACED} / ideal") for n in names), names
+    assert any(n.startswith(f"{section.THREAD} / ideal") for n in names), names
     assert any(n.startswith(f"{section.OFFLOAD} / {section.FUSED}") for n in names), names

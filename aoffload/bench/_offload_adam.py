@@ -39,6 +39,7 @@ from ._offload_adam_paced import (
     PACED_SPLIT,
     SECTION,
     SEQUENTIAL,
+    THREAD,
     Step,
     at_once,
     interleaved,
@@ -62,6 +63,7 @@ __all__ = [
     "PACED_SPLIT",
     "SECTION",
     "SEQUENTIAL",
+    "THREAD",
     "run",
 ]
 
