@@ -34,6 +34,7 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
         section.OFFLOAD,
         section.FUSED_CLIP,
         section.OFFLOAD_CLIP,
+        section.ZERO_OFFLOAD,
         section.SEQUENTIAL,
         section.PACED,
         section.PACED_SPLIT,
@@ -52,3 +53,4 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
     assert any(n.startswith(f"{section.PACED} / ideal") for n in names), names
     assert any(n.startswith(f"{section.THREAD} / ideal") for n in names), names
     assert any(n.startswith(f"{section.OFFLOAD} / {section.FUSED}") for n in names), names
+    assert any(n.startswith(f"{section.OFFLOAD} / {section.ZERO_OFFLOAD}") for n in names), names

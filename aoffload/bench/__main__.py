@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     parser.add_argument(
-        "--device", default="cpu", help="where the checkpoint state lives: cpu (default) or cuda"
+        "--device",
+        default="cpu",
+        help="where the checkpoint state and offload_adam's real model live: cpu (default) or cuda",
     )
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument(
@@ -159,7 +161,7 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
     elif section == "offload_adam":
         from . import _offload_adam
 
-        _offload_adam.run(report, quick=args.quick, smoke=args.smoke)
+        _offload_adam.run(report, quick=args.quick, smoke=args.smoke, device=args.device)
     elif section == "remote":
         from . import _remote
 

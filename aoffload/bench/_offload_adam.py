@@ -1,12 +1,16 @@
 """OffloadAdam section: a real training step, and a backward paced as an accelerator's.
 
-**Real model.** A small transformer trained on this host's CPU: forward, backward and the
-optimizer step (``zero_grad`` included), with in-process ``torch.optim.AdamW`` (foreach and
-fused) against :class:`aoffload.OffloadAdam` (its defaults; the backward runs on the event
-loop's thread, the step is ``await opt.astep()``). With ``max_grad_norm``, against the fused
-AdamW after ``clip_grad_norm_``; and with smaller buckets than the default (the model is
-about 21 MB of fp32: the default 32 MiB makes one bucket, sent when the backward ends).
-Here the backward and the worker share the same cores.
+**Real model.** A small transformer trained on this host's CPU (or, with ``--device cuda``,
+on the GPU): forward, backward and the optimizer step (``zero_grad`` included), with
+in-process ``torch.optim.AdamW`` (foreach and fused) against :class:`aoffload.OffloadAdam`
+(its defaults; the backward runs on the event loop's thread, the step is ``await
+opt.astep()``) and against DeepSpeed's ZeRO-Offload (ZeRO stage 2 with ``offload_optimizer:
+cpu``: DeepSpeed's CPU Adam in the trainer's process, after the backward). With
+``max_grad_norm``, against the fused AdamW after ``clip_grad_norm_``; and with smaller
+buckets than the default (the model is about 21 MB of fp32: the default 32 MiB makes one
+bucket, sent when the backward ends). On the CPU the backward and the worker share the same
+cores. On a GPU each step ends with ``torch.cuda.synchronize()``: it ends when the
+parameters on the device are updated.
 
 **Paced backward** (:mod:`._offload_adam_paced`): 16 buckets whose gradients arrive on an
 accelerator's schedule, against the sequential step, the ideal, and the most any overlap
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -59,6 +64,7 @@ __all__ = [
     "IDEAL",
     "OFFLOAD",
     "OFFLOAD_CLIP",
+    "ZERO_OFFLOAD",
     "PACED",
     "PACED_SPLIT",
     "SECTION",
@@ -72,6 +78,7 @@ FUSED = "in-process torch.optim.AdamW(fused=True)"
 OFFLOAD = "aoffload OffloadAdam (defaults)"
 FUSED_CLIP = "in-process AdamW(fused=True) after clip_grad_norm_(1.0)"
 OFFLOAD_CLIP = "aoffload OffloadAdam (max_grad_norm=1.0)"
+ZERO_OFFLOAD = "DeepSpeed ZeRO-Offload (stage 2, offload_optimizer: cpu)"
 SMALL_BUCKETS = (4.0, 1.0)  # MiB: the default makes one or two buckets of this model
 
 
@@ -82,8 +89,16 @@ def offload_buckets(bucket_mb: float) -> str:
 # -- the real model -----------------------------------------------------------------------
 
 
+BATCH = 8
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _transformer(
-    small: bool = False,
+    small: bool = False, device: str = "cpu"
 ) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     """The model (``small``, for --smoke: about 1M parameters, still several 1 MiB buckets)."""
     torch.manual_seed(0)
@@ -95,8 +110,9 @@ def _transformer(
         torch.nn.Embedding(vocab, width),
         torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False),
         torch.nn.Linear(width, vocab),
-    )
-    tokens = torch.randint(0, vocab, (8, length + 1), generator=torch.Generator().manual_seed(1))
+    ).to(device)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (BATCH, length + 1), generator=generator).to(device)
 
     def loss_of(m: torch.nn.Module) -> torch.Tensor:
         logits = m(tokens[:, :-1])
@@ -105,8 +121,8 @@ def _transformer(
     return model, loss_of
 
 
-def _in_process(small: bool, clip: float | None, **options: Any) -> Step:
-    model, loss_of = _transformer(small)
+def _in_process(small: bool, device: str, clip: float | None, **options: Any) -> Step:
+    model, loss_of = _transformer(small, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **options)
 
     async def step(_: float) -> float:
@@ -116,17 +132,48 @@ def _in_process(small: bool, clip: float | None, **options: Any) -> Step:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        _sync(device)
         return time.perf_counter() - started
 
     return step
 
 
+def _zero_offload(small: bool, device: str) -> tuple[Step, str]:
+    """DeepSpeed's own CPU-offloaded AdamW on the same model, in this process (a world of
+    one, gloo): ``deepspeed.initialize`` with ZeRO stage 2 and ``offload_optimizer: cpu``."""
+    import deepspeed
+
+    from ._checkpoint_systems import init_single_process_group
+
+    init_single_process_group()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    model, loss_of = _transformer(small, device)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 1e-2}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=model.parameters()
+    )
+
+    async def step(_: float) -> float:
+        started = time.perf_counter()
+        engine.backward(loss_of(engine))
+        engine.step()  # the optimizer step and zero_grad
+        _sync(device)
+        return time.perf_counter() - started
+
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return step, f"DeepSpeed {deepspeed.__version__}, {type(optimizer).__name__}"
+
+
 async def _offloaded(
-    stack: contextlib.AsyncExitStack, small: bool, clip: float | None, **options: Any
+    stack: contextlib.AsyncExitStack, small: bool, device: str, clip: float | None, **options: Any
 ) -> tuple[Step, str]:
     import aoffload
 
-    model, loss_of = _transformer(small)
+    model, loss_of = _transformer(small, device)
     opt = aoffload.OffloadAdam(model.parameters(), lr=LR, max_grad_norm=clip, **options)
     await stack.enter_async_context(opt)
 
@@ -135,39 +182,48 @@ async def _offloaded(
         torch.autograd.backward(loss_of(model))  # the loop's thread: the loop does not turn
         await opt.astep()
         opt.zero_grad()
+        _sync(device)
         return time.perf_counter() - started
 
     return step, f"backend={opt.backend}, {len(opt._off.buckets)} buckets"
 
 
 async def _real_model_times(
-    reps: int, notes: dict[str, str], small: bool
+    reps: int, notes: dict[str, str], small: bool, device: str, report: Report
 ) -> dict[str, list[float]]:
     async with contextlib.AsyncExitStack() as stack:
         systems: dict[str, Step] = {
-            FOREACH: _in_process(small, None, foreach=True),
-            FUSED: _in_process(small, None, fused=True),
-            FUSED_CLIP: _in_process(small, 1.0, fused=True),
+            FOREACH: _in_process(small, device, None, foreach=True),
+            FUSED: _in_process(small, device, None, fused=True),
+            FUSED_CLIP: _in_process(small, device, 1.0, fused=True),
         }
         for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
-            systems[system], notes[system] = await _offloaded(stack, small, clip)
+            systems[system], notes[system] = await _offloaded(stack, small, device, clip)
         for bucket_mb in SMALL_BUCKETS:
             system = offload_buckets(bucket_mb)
             systems[system], notes[system] = await _offloaded(
-                stack, small, None, bucket_mb=bucket_mb
+                stack, small, device, None, bucket_mb=bucket_mb
             )
+        try:
+            systems[ZERO_OFFLOAD], notes[ZERO_OFFLOAD] = _zero_offload(small, device)
+        except Exception as exc:  # noqa: BLE001 - a failure is reported, the rest is measured
+            report.fail(SECTION, ZERO_OFFLOAD, exc)
         times = await interleaved(systems, [0.0] * (reps + 2))
         return {name: samples[2:] for name, samples in times.items()}  # two warm-up rounds
 
 
-def _real_model(report: Report, reps: int, small: bool) -> None:
+def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
     model, _ = _transformer(small)
     numel = sum(p.numel() for p in model.parameters())
-    metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
-    progress(f"offload_adam: real model, {reps} rounds of 7 systems in turn")
+    where = "on the GPU" if device == "cuda" else "on the CPU"
+    metric = (
+        f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
+        f"{' on the GPU' if device == 'cuda' else ''}"
+    )
+    progress(f"offload_adam: real model {where}, {reps} rounds of 8 systems in turn")
     notes: dict[str, str] = {}
     try:
-        measured = asyncio.run(_real_model_times(reps, notes, small))
+        measured = asyncio.run(_real_model_times(reps, notes, small, device, report))
     except Exception as exc:  # noqa: BLE001 - a failure is reported, the run goes on
         report.fail(SECTION, "real model", exc)
         return
@@ -183,6 +239,7 @@ def _real_model(report: Report, reps: int, small: bool) -> None:
         *((offload_buckets(mb), FUSED) for mb in SMALL_BUCKETS),
         (FUSED_CLIP, FUSED_CLIP),
         (OFFLOAD_CLIP, FUSED_CLIP),
+        (ZERO_OFFLOAD, FUSED),
     ):
         figure = figures.get(system)
         if figure is None:
@@ -196,18 +253,28 @@ def _real_model(report: Report, reps: int, small: bool) -> None:
         report.ratio(
             SECTION, f"{system} / {FOREACH} (real model)", figures.get(system), figures.get(FOREACH)
         )
+    report.ratio(
+        SECTION,
+        f"{OFFLOAD} / {ZERO_OFFLOAD} (real model; < 1: OffloadAdam faster)",
+        figures.get(OFFLOAD),
+        figures.get(ZERO_OFFLOAD),
+    )
     report.tables.append(
-        Table(SECTION, f"Real model on this host's CPU: {metric}", ["system", "step (x)"], rows)
+        Table(SECTION, f"Real model {where}: {metric}", ["system", "step (x)"], rows)
     )
 
 
-def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
-    """A real model's step against in-process AdamW; a paced backward against the ideal."""
+def run(report: Report, *, quick: bool, smoke: bool = False, device: str = "cpu") -> None:
+    """A real model's step against in-process AdamW and ZeRO-Offload (on ``device``); a
+    paced backward against the ideal (on the CPU)."""
     reps = 3 if quick else 7
     threads = torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        _real_model(report, reps, smoke)
+        if device == "cuda" and not torch.cuda.is_available():
+            report.skip(SECTION, "real model on the GPU", "no CUDA device")
+        else:
+            _real_model(report, reps, smoke, device)
         paced(report, reps)
         at_once(report, 3 * reps)
     finally:
