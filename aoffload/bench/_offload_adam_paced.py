@@ -397,7 +397,7 @@ def paced(report: Report, reps: int) -> None:
         for system in (PACED, PACED_SPLIT, THREAD):
             report.ratio(
                 SECTION,
-                f"sequential / {system}, {_metric(t_b, labels[t_b])} (> 1: OffloadAdam faster)",
+                f"sequential / {system}, {_metric(t_b, labels[t_b])} (> 1: the overlap faster)",
                 figures.get((SEQUENTIAL, t_b)),
                 figures.get((system, t_b)),
             )
