@@ -19,6 +19,7 @@ import pytest
 
 import aoffload.testing
 from aoffload.testing import loop_factories
+from tests._bench_run import BenchRun, run_bench_smoke
 
 SLOW_CALLBACK_SECONDS = float(os.environ.get("AOFFLOAD_TEST_SLOW_CALLBACK", "0.05"))
 
@@ -113,3 +114,10 @@ def loop_block_guard(
             + "\n".join(guard.slow),
             pytrace=False,
         )
+
+
+@pytest.fixture(scope="session")
+def bench_smoke(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    """``python -m aoffload.bench all --smoke``, run once for every test that reads it (the
+    longest run of the suite: about two minutes on 2 cores)."""
+    return run_bench_smoke(tmp_path_factory.mktemp("bench"))

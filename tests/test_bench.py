@@ -9,17 +9,13 @@ presented as a median.
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import aoffload
 from aoffload.bench._common import Report, render
+from tests._bench_run import BenchRun
 
 OVERLAP_STEPS = [f"step, t_b = {ms} ms" for ms in (0, 10, 30, 100)]
 
@@ -35,19 +31,13 @@ def _overlap_cpu_adams() -> tuple[str, str]:
 
 
 @pytest.mark.timeout(600)  # the whole benchmark, --smoke; slower on a loaded machine
-def test_quick_benchmark_measures_every_aoffload_system(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(  # --smoke: --quick's code, every section, smaller sizes
-        [sys.executable, "-m", "aoffload.bench", "all", "--smoke", "--json", str(out),
-         "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-4000:]
+def test_quick_benchmark_measures_every_aoffload_system(bench_smoke: BenchRun) -> None:
+    assert bench_smoke.returncode == 0, bench_smoke.stderr[-4000:]
     for section in ("bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed"):
-        assert f"## {section}" in completed.stdout
-    assert "## FAILED" not in completed.stdout
-    data = json.loads(out.read_text())
+        assert f"## {section}" in bench_smoke.stdout
+    assert "## FAILED" not in bench_smoke.stdout
+    data = bench_smoke.data
+    assert data is not None
     assert data["failed"] == []
     assert data["options"]["quick"] is True
     assert data["options"]["smoke"] is True

@@ -1,30 +1,27 @@
-"""The offload_adam benchmark section runs and measures OffloadAdam against its anchors."""
+"""The offload_adam benchmark section runs and measures OffloadAdam against its anchors (in
+the suite's one run of the whole benchmark, ``--smoke``: see ``bench_smoke``)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+import pytest
 
 from aoffload.bench import _offload_adam as section
+from tests._bench_run import BenchRun
 
 
-def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "aoffload.bench", "offload_adam", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    data = json.loads(out.read_text())
+@pytest.mark.timeout(600)  # it may be the test that runs the whole benchmark
+def test_offload_adam_section_measures_every_system(bench_smoke: BenchRun) -> None:
+    assert bench_smoke.returncode == 0, bench_smoke.stderr[-4000:]
+    data = bench_smoke.data
+    assert data is not None
     assert data["failed"] == []
+    figures = [f for f in data["figures"] if f["section"] == section.SECTION]
+    ratios = [r for r in data["ratios"] if r["section"] == section.SECTION]
+    assert figures, "the offload_adam section measured nothing"
     measured: dict[str, set[str]] = {}
-    for figure in data["figures"]:
-        assert figure["section"] == section.SECTION
+    for figure in figures:
         assert figure["n"] >= 3, figure
         assert all(math.isfinite(v) and v > 0 for v in figure["samples"]), figure
         measured.setdefault(figure["system"], set()).add(figure["metric"])
@@ -49,7 +46,7 @@ def test_quick_offload_adam_section_measures_every_system(tmp_path: Path) -> Non
     steps = {m for m in measured[section.PACED] if m.startswith("step, t_b")}
     assert len(steps) == len(section.BACKWARDS) + 1  # the overlap section's t_b, and t_adam
     assert steps == {m for m in measured[section.IDEAL] if m.startswith("step, t_b")}
-    names = {r["name"] for r in data["ratios"]}
+    names = {r["name"] for r in ratios}
     assert any(n.startswith(f"{section.PACED} / ideal") for n in names), names
     assert any(n.startswith(f"{section.THREAD} / ideal") for n in names), names
     assert any(n.startswith(f"{section.OFFLOAD} / {section.FUSED}") for n in names), names
