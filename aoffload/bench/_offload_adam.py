@@ -215,12 +215,11 @@ async def _real_model_times(
 def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
     model, _ = _transformer(small)
     numel = sum(p.numel() for p in model.parameters())
-    where = "on the GPU" if device == "cuda" else "on the CPU"
-    metric = (
-        f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
-        f"{' on the GPU' if device == 'cuda' else ''}"
-    )
-    progress(f"offload_adam: real model {where}, {reps} rounds of 8 systems in turn")
+    on_gpu = " on the GPU" if device == "cuda" else ""
+    where = on_gpu or " on the CPU"
+    metric = f"step (forward, backward, optimizer), transformer of {numel / 1e6:.1f}M parameters"
+    metric += on_gpu
+    progress(f"offload_adam: real model{where}, {reps} rounds of 8 systems in turn")
     notes: dict[str, str] = {}
     try:
         measured = asyncio.run(_real_model_times(reps, notes, small, device, report))
@@ -260,7 +259,7 @@ def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
         figures.get(ZERO_OFFLOAD),
     )
     report.tables.append(
-        Table(SECTION, f"Real model {where}: {metric}", ["system", "step (x)"], rows)
+        Table(SECTION, f"Real model{where}: {metric}", ["system", "step (x)"], rows)
     )
 
 

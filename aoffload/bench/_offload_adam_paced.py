@@ -19,9 +19,10 @@ other, each also alone.
 
 The control for OffloadAdam's own cost: the same overlap inside the trainer's process,
 each parameter stepped by the same kernel on a thread as its gradient arrives, scheduled as
-the worker schedules its steps (one stepping thread while the backward runs, two after:
-the worker's own :class:`~aoffload.optimizer._stepper.Stepper`), with no process, pipe or
-shared memory. What it misses of the ideal, OffloadAdam cannot make up.
+the worker schedules its steps (a stepping thread per torch thread, all but one while the
+backward runs, all after: the worker's own :class:`~aoffload.optimizer._stepper.Stepper`),
+with no process, pipe or shared memory. What it misses of the ideal, OffloadAdam cannot make
+up.
 
 The systems step in turn, one step each per round, so that a burst of a shared host's noise
 lands on all of them alike.
@@ -168,7 +169,7 @@ def _paced_thread(stack: contextlib.AsyncExitStack) -> Step:
     from aoffload.optimizer._stepper import Stepper
 
     model = _PacedModel()
-    stepper = Stepper(min(2, len(os.sched_getaffinity(0))))
+    stepper = Stepper(torch.get_num_threads())  # as many as the worker's (see _service)
     stack.callback(stepper.close)
     optimizers = [torch.optim.AdamW([p], lr=LR, fused=True) for p in model.params]
     sent: list[concurrent.futures.Future[Any]] = []
