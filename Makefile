@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 TORCH_PIN ?= torch==2.13.0
 DEEPSPEED_PIN ?= deepspeed==0.19.8
 
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup demo test lint typecheck pytest docs bench clean
 
 setup: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" ninja
 	$(BIN)/python -m pip install --quiet --no-build-isolation "$(DEEPSPEED_PIN)" "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed,lightning,bench]" "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed,lightning,docs,bench]" "$(TORCH_PIN)"
 	@# DeepSpeed JIT-builds its CPU ops on first use (a minute or two on 2 cores): build them
 	@# here, so that the first test or benchmark to use them does not pay for it.
 	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
@@ -36,10 +36,14 @@ typecheck: setup
 pytest: setup
 	$(BIN)/python -m pytest
 
+# The site, with its API reference from the docstrings; strict: a broken link fails it.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 test: lint typecheck pytest
 
 bench: setup
 	$(BIN)/python -m aoffload.bench all
 
 clean:
-	rm -rf $(VENV) .torch_extensions .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .torch_extensions .mypy_cache .ruff_cache .pytest_cache site

@@ -1,7 +1,9 @@
-"""aoffload: asyncio-native checkpointing and CPU optimizer offload for PyTorch and DeepSpeed.
+"""aoffload: background checkpointing and CPU optimizer offload for PyTorch and DeepSpeed.
 
-The trainer's event loop talks to spawned worker processes over pipes; every wait is
-an ``await`` that ends when the work is done or the worker dies.
+The work runs on aoffload's threads and spawned worker processes; the trainer only learns
+that it finished. Every call that waits returns a :class:`Handle`: an asyncio trainer
+awaits it, a synchronous trainer calls ``.result()``. A wait ends when the work is done
+or a worker dies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ._errors import WorkerDiedError as WorkerDiedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerStartupError as WorkerStartupError
 from ._lazy import exports as _exports
+from ._runtime.handle import Handle as Handle
 from ._runtime.loops import run as run
 
 # The names below import torch: they are imported on first use (PEP 562), so that what
@@ -66,6 +69,7 @@ __all__ = (
     "ClosedError",
     "CommitResult",
     "CorruptCheckpointError",
+    "Handle",
     "InvalidStateError",
     "OffloadAdam",
     "OptimizerError",

@@ -131,7 +131,7 @@ def disk_full(rank: int, world: int, directory: Path, victim: int) -> dict[str, 
         if rank == victim:  # the writer inherits the limit; this process gets it back after
             resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
         try:
-            await engine.start()
+            await engine.astart()
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         try:
@@ -190,7 +190,7 @@ def late_start(rank: int, world: int, directory: Path) -> dict[str, Any]:
             await first.save(shard(rank, 1), f"shard-{rank}.pt", tag="step-1")  # in flight
             if rank == 1:
                 await asyncio.sleep(1.0)  # the other rank waits in the collective start
-            refused = await _expect(aoffload.CheckpointEngine(directory, distributed=True).start())
+            refused = await _expect(aoffload.CheckpointEngine(directory, distributed=True).astart())
             result = await first.commit("step-1")
         async with aoffload.CheckpointEngine(directory, distributed=True) as second:
             await second.save(shard(rank, 2), f"b-{rank}.pt", tag="step-2")
@@ -210,7 +210,7 @@ def store_gone(rank: int, world: int, directory: Path) -> dict[str, Any]:
 
     async def main() -> dict[str, Any]:
         engine = aoffload.CheckpointEngine(directory, distributed=True)
-        await engine.start()
+        await engine.astart()
         if rank == 1:
             await engine.save(shard(rank, 1, rows=8), f"shard-{rank}.pt", tag="step-1")
         else:

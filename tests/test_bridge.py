@@ -222,7 +222,7 @@ async def test_startup_timeout_kills_the_worker() -> None:
     before = child_pids()
     bridge = Bridge(TARGET, EchoConfig(start_delay=30), name="slow", start_timeout=0.5)
     with pytest.raises(aoffload.WorkerStartupError, match=r"did not become ready within 0\.5 s"):
-        await bridge.start()
+        await bridge.astart()
     assert child_pids() == before
     assert bridge.state is State.CLOSED
 
@@ -258,12 +258,12 @@ async def test_use_before_start_and_after_close_is_a_closed_error() -> None:
         await bridge.request(Echo(1))
     await bridge.aclose()  # idempotent
     with pytest.raises(aoffload.ClosedError):
-        await bridge.start()
+        await bridge.astart()
 
 
 async def test_close_drains_requests_already_sent() -> None:
     bridge = echo()
-    await bridge.start()
+    await bridge.astart()
     futures = [bridge.call(Sleep(0.02)) for _ in range(5)]
     last = bridge.call(Echo("last"))
     await bridge.aclose()
@@ -274,7 +274,7 @@ async def test_close_drains_requests_already_sent() -> None:
 
 async def test_shutdown_ladder_kills_a_stuck_worker_after_close_timeout() -> None:
     bridge = Bridge(TARGET, name="stuck", close_timeout=0.3)
-    await bridge.start()
+    await bridge.astart()
     pid = bridge.pid
     stuck = bridge.call(Sleep(60))
     started = time.perf_counter()
@@ -288,7 +288,7 @@ async def test_shutdown_ladder_kills_a_stuck_worker_after_close_timeout() -> Non
 
 async def test_cancelled_close_still_leaves_nothing_behind() -> None:
     bridge = Bridge(TARGET, name="cancelled-close", close_timeout=5.0)
-    await bridge.start()
+    await bridge.astart()
     pid = bridge.pid
     bridge.call(Sleep(60))
     closing = asyncio.create_task(bridge.aclose())

@@ -212,7 +212,7 @@ async def test_retention_keeps_the_newest_and_a_restart_sees_commit_order(tmp_pa
 async def test_cancelled_commit_goes_on_and_later_commits_succeed(tmp_path: Path) -> None:
     async with aoffload.CheckpointEngine(tmp_path) as engine:
         await engine.save({"w": torch.randn(256, 1024)}, "m.pt", tag="a")
-        waiter = asyncio.create_task(engine.commit("a"))
+        waiter = asyncio.ensure_future(engine.commit("a"))
         await asyncio.sleep(0)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -245,7 +245,7 @@ async def test_backpressure_waits_for_the_oldest_pending_checkpoint(tmp_path: Pa
         await engine.save({"w": torch.randn(512, 1024)}, "m.pt", tag="a")
         with pytest.raises(aoffload.CheckpointError, match="max_pending"):
             await engine.save({"w": torch.ones(1)}, "m.pt", tag="b")  # would wait forever
-        commit_a = asyncio.create_task(engine.commit("a"))  # the commit starts at the call
+        commit_a = asyncio.ensure_future(engine.commit("a"))  # the commit starts at the call
         await engine.save({"w": torch.ones(1)}, "m.pt", tag="b")
         assert engine.tags() == ["a"]  # b took the slot a's commit freed
         assert (tmp_path / "a" / MANIFEST).exists()
@@ -261,7 +261,7 @@ async def test_dead_writer_fails_save_and_commit_and_leaks_nothing(tmp_path: Pat
         pid = engine.pid
         assert pid is not None
         await engine.save({"w": torch.randn(1024, 1024)}, "m.pt", tag="doomed")
-        commit = asyncio.create_task(engine.commit("doomed"))
+        commit = asyncio.ensure_future(engine.commit("doomed"))
         await asyncio.sleep(0)
         os.kill(pid, signal.SIGKILL)
         started = time.perf_counter()

@@ -138,7 +138,7 @@ async def test_an_os_error_at_start_is_a_checkpoint_error_naming_the_path(tmp_pa
     (tmp_path / "file").write_text("not a directory")
     engine = aoffload.CheckpointEngine(tmp_path / "file" / "ck")
     with pytest.raises(aoffload.CheckpointError, match=re.escape(str(tmp_path / "file" / "ck"))):
-        await engine.start()
+        await engine.astart()
 
 
 # -- 8. manifests -----------------------------------------------------------------------

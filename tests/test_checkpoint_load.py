@@ -208,7 +208,7 @@ async def test_a_load_cancelled_while_the_writer_answers_leaves_no_shared_memory
         def blobs() -> list[str]:
             return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
 
-        load = asyncio.create_task(engine.load("m.pt"))
+        load = asyncio.ensure_future(engine.load("m.pt"))
         # Another process makes the file: nothing to await but its appearance.
         while not blobs() and not load.done():  # noqa: ASYNC110
             await asyncio.sleep(0.001)

@@ -102,6 +102,6 @@ async def test_start_refuses_when_shared_memory_cannot_hold_max_pending_checkpoi
     manifest_path.write_text(json.dumps(manifest))
     engine = aoffload.CheckpointEngine(tmp_path, durable=False, max_pending=2)
     with pytest.raises(aoffload.CheckpointError, match=r"--shm-size") as caught:
-        await engine.start()
+        await engine.astart()
     assert "max_pending=2" in str(caught.value)
     assert engine.pid is None  # nothing was left running

@@ -181,7 +181,7 @@ async def test_readme_pattern_waits_for_room_instead_of_raising(
         commits = []
         for step in range(4):  # the loop never yields but in save()
             await engine.save(filled(float(step)), "m.pt", tag=f"s{step}")
-            commits.append(asyncio.create_task(engine.commit(f"s{step}")))
+            commits.append(asyncio.ensure_future(engine.commit(f"s{step}")))
         assert [r.tag for r in await asyncio.gather(*commits)] == ["s0", "s1", "s2", "s3"]
         for step in range(4, 8):  # the engine owns the commit
             staged = engine.stage(filled(float(step)), "m.pt", tag=f"s{step}")
@@ -215,7 +215,7 @@ async def test_a_failed_background_commit_is_raised_by_aclose(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = aoffload.CheckpointEngine(tmp_path)
-    await engine.start()
+    await engine.astart()
     await engine.save(filled(1.0), "m.pt", tag="bad")
     (tmp_path / "bad").write_text("")  # a file where the tag's directory goes
     engine.commit_soon("bad")

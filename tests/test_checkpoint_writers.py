@@ -44,7 +44,7 @@ async def test_a_second_writer_in_this_process_refuses_and_replicas_share(tmp_pa
         second = aoffload.CheckpointEngine(tmp_path, durable=False)
         pattern = rf"another live checkpoint engine \(pid {os.getpid()} on .*\) writes in"
         with pytest.raises(aoffload.CheckpointError, match=pattern):
-            await second.start()
+            await second.astart()
         async with aoffload.CheckpointEngine(tmp_path, writer=False) as replica:
             await first.commit("step-1")  # the writer goes on while a reader shares
             loaded = await replica.load("model.pt", tag="step-1")
@@ -66,7 +66,7 @@ async def test_a_second_writer_in_another_process_refuses_naming_it(tmp_path: Pa
         assert (await asyncio.to_thread(holder.stdout.readline)).strip() == b"ready"
         engine = aoffload.CheckpointEngine(tmp_path, durable=False)
         with pytest.raises(aoffload.CheckpointError, match=rf"\(pid {holder.pid} on "):
-            await engine.start()
+            await engine.astart()
     finally:
         await asyncio.to_thread(holder.communicate, b"\n", 60)
     assert holder.returncode == 0

@@ -194,21 +194,21 @@ def test_clean_and_a_second_engine_leave_a_live_engine_alone(tmp_path: Path) -> 
     directory = tmp_path / "ckpt"
     with asyncio.Runner() as runner:
         first = aoffload.CheckpointEngine(directory, durable=False)
-        runner.run(first.start())
+        runner.run(first.astart())
         try:
-            runner.run(first.save(state(1), "model.pt", tag="step-1"))
+            first.save(state(1), "model.pt", tag="step-1").result()
             staged = directory / ".tmp-step-0-live"  # as the live engine's writer would make it
             staged.mkdir()
             replica = aoffload.CheckpointEngine(directory, writer=False)  # readers may share
-            runner.run(replica.start())
+            runner.run(replica.astart())
             runner.run(replica.aclose())
             second = aoffload.CheckpointEngine(directory, durable=False)  # a second writer
             with pytest.raises(aoffload.CheckpointError, match="another live checkpoint engine"):
-                runner.run(second.start())
+                runner.run(second.astart())
             assert staged.exists()  # neither touched the live engine's files
             assert run("clean", str(directory)) == (EXIT_BUSY, "")
             assert staged.exists()
-            result = runner.run(first.commit())
+            result = first.commit().result()
             assert result.files == ("model.pt",)
         finally:
             runner.run(first.aclose())

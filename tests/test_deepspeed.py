@@ -144,7 +144,7 @@ def test_save_commit_at_step_and_load_round_trip(ds_engine: Any, ckpt: Any) -> N
 
 def saved_module(directory: Path, tag: str) -> dict[str, torch.Tensor]:
     """The module weights of checkpoint ``tag``, verified against its manifest."""
-    state = aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=tag))
+    state = aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt", tag=tag).result()
     return dict(state["module"])
 
 
@@ -215,7 +215,7 @@ def test_writer_killed_before_commit_keeps_latest_and_raises_at_the_next_step(
         with pytest.raises(aoffload.WorkerDiedError, match="checkpoint-writer worker"):
             step_then_wait()
         assert read_latest(directory) == "good"
-        aoffload.run(aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt"))
+        aoffload.load_checkpoint(directory, "mp_rank_00_model_states.pt").result()
     finally:
         ckpt.cleanup()
         ckpt.cleanup()  # idempotent

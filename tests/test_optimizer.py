@@ -391,7 +391,7 @@ async def test_a_failed_start_raises_its_own_error_and_leaves_nothing() -> None:
     before = Snapshot.take()
     opt = CPUAdam([{"lr": 1e-3}], start_timeout=0.01)  # no worker imports torch that fast
     with pytest.raises(aoffload.WorkerStartupError, match="did not become ready"):
-        await opt.start()
+        await opt.astart()
     with pytest.raises(aoffload.ClosedError):
         opt.submit(0, 0, torch.zeros(4), torch.zeros(4))
     await opt.aclose()

@@ -85,7 +85,7 @@ async def optimizers(count: int, **options: Any) -> AsyncIterator[list[CPUAdam]]
     async with contextlib.AsyncExitStack() as stack:
         for opt in opts:
             stack.push_async_callback(opt.aclose)
-        await asyncio.gather(*(opt.start() for opt in opts))  # spawn them side by side
+        await asyncio.gather(*(opt.astart() for opt in opts))  # spawn them side by side
         yield opts
 
 
@@ -251,7 +251,7 @@ async def test_snapshot_covers_steps_in_flight_and_never_changes_afterwards() ->
 
 async def test_follow_stream_lives_until_close_and_drain_reports_every_failure() -> None:
     opt = CPUAdam([{"lr": 0.1}], backend="torch")
-    await opt.start()
+    await opt.astart()
     p, g = torch.ones(8), torch.ones(8)
     opt.submit(0, 0, p, g, rollback=True)  # nothing to undo
     opt.submit(0, 1, p.clone(), g.clone())

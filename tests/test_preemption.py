@@ -92,9 +92,10 @@ async def test_without_a_signal_reached_returns_false_without_suspending(tmp_pat
     async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
         notice = engine.preemption(signals=(SIGNAL,))
         for step in range(100):
-            coroutine = notice.reached(step)
+            handle = notice.reached(step)
+            assert handle.done()
             with pytest.raises(StopIteration) as done:
-                coroutine.send(None)  # it finishes in its first step: no suspension
+                handle.__await__().send(None)  # it finishes in its first step: no suspension
             assert done.value.value is False
         assert notice.step is None
         assert not notice.requested

@@ -308,7 +308,7 @@ async def test_aclose_gives_up_on_an_upload_after_upload_timeout(
     engine = aoffload.CheckpointEngine(tmp_path, remote=url, upload_timeout=2.0)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(endpoint.resume)
-        await engine.start()
+        await engine.astart()
         await engine.save(state(1), "model.pt", tag="step-1")
         await engine.commit("step-1")
         endpoint.pause()

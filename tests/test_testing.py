@@ -104,7 +104,7 @@ import pytest
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_leaves_its_worker_running(aoffload_engine):
-    await aoffload.CPUAdam([{}], backend="torch", worker_cores=None).start()
+    await aoffload.CPUAdam([{}], backend="torch", worker_cores=None).astart()
 """
 
 

@@ -63,11 +63,11 @@ from tests.services.echo import TARGET, Sleep
 
 async def main():
     engine = aoffload.CheckpointEngine(sys.argv[1], durable=False)
-    await engine.start()
+    await engine.astart()
     await engine.save({"w": torch.ones(1 << 20)}, "m.pt", tag="t")
     await engine.commit("t")
     busy = Bridge(TARGET, name="busy")
-    await busy.start()
+    await busy.astart()
     busy.call(Sleep(600))
     print(engine.pid, busy.pid, flush=True)
     await asyncio.sleep(3600)
@@ -144,5 +144,5 @@ async def test_a_worker_killed_before_its_pid_is_known_still_dies() -> None:
         patch.setenv("PYTHON_AOFFLOAD_TEST_FRESH_SERVER", uuid.uuid4().hex)  # boots for seconds
         bridge = Bridge(TARGET, EchoConfig(), name="slow", start_timeout=0.05)
         with pytest.raises(aoffload.WorkerStartupError, match="did not become ready"):
-            await bridge.start()
+            await bridge.astart()
     assert bridge.exitcode == -signal.SIGKILL

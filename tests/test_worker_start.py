@@ -161,7 +161,7 @@ async def test_later_starts_are_forked_by_the_same_server() -> None:
 
 async def _start_inside_a_census(bridge: Bridge) -> None:
     with no_leaked_workers("this block"):
-        await bridge.start()
+        await bridge.astart()
 
 
 def _segment_inside_a_census(segment: Path) -> None:

@@ -126,7 +126,7 @@ def _rank(rank: int, world: int, port: int, root: str, mib: int, reps: int, kill
     stagers = {kind: _stager(kind) for kind in DCP}
     loop = new_event_loop()
     engine = aoffload.CheckpointEngine(ours, distributed=True, keep_last=2)
-    loop.run_until_complete(engine.start())
+    loop.run_until_complete(engine.astart())
     try:
         for rep in range(-1, reps):  # rep -1: a warm-up run of each, excluded
             dist.barrier()
@@ -153,7 +153,7 @@ def _rank(rank: int, world: int, port: int, root: str, mib: int, reps: int, kill
     for kill in range(kills):
         dist.barrier()
         engine = aoffload.CheckpointEngine(ours, distributed=True, keep_last=2)
-        loop.run_until_complete(engine.start())
+        loop.run_until_complete(engine.astart())
         try:
             tag = f"kill{kill}"
             loop.run_until_complete(engine.save(state, f"shard-{rank}.pt", tag=tag))

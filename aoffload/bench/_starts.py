@@ -62,7 +62,7 @@ def _spawn_start() -> float:
 
 async def _timed_start(resource: Any) -> float:
     started = time.perf_counter()
-    await resource.start()
+    await resource.astart()
     elapsed = time.perf_counter() - started
     await resource.aclose()
     return elapsed

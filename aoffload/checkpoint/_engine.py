@@ -1,29 +1,29 @@
-"""Asynchronous, snapshot-consistent, crash-safe checkpoints: :class:`CheckpointEngine`.
+"""Snapshot-consistent, crash-safe checkpoints for synchronous and asyncio trainers:
+:class:`CheckpointEngine`.
 
-The engine is an asyncio face on :class:`~._core.EngineCore`, whose threads and writer
-process do all the work: the loop only learns that it is finished. ``stage()`` returns
-with the snapshot copy under way; ``await staged`` is the fence. ``commit()`` and
-``commit_soon()`` hand the commit to the commit thread at once: the files become durable,
-the manifest, the tag and ``latest`` are published, and old tags retired, while the
-loop is blocked in a synchronous training step. See :mod:`._format` for the on-disk
-protocol.
+The engine is a face on :class:`~._core.EngineCore`, whose threads and writer process do
+all the work: the caller only learns that it is finished. Every call that waits returns a
+:class:`~aoffload.Handle`: an asyncio trainer awaits it, a synchronous one calls
+``.result()``. ``stage()`` returns with the snapshot copy under way (its :class:`Staged`
+is the fence). ``commit()`` and ``commit_soon()`` hand the commit to the commit thread at
+once: the files become durable, the manifest, the tag and ``latest`` are published, and
+old tags retired, while the caller's thread is busy in a training step. See
+:mod:`._format` for the on-disk protocol.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import os
 import signal
-from collections.abc import Coroutine, Generator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-from .._errors import AoffloadError
-from .._runtime.resource import AsyncResource
-from .._runtime.threads import run_in_thread
+from .._runtime.handle import Handle
+from .._runtime.resource import Resource
+from .._runtime.threads import running_future
 from ._commit import CommitResult
 from ._core import EngineCore
 from ._load import MapLocation
@@ -33,31 +33,31 @@ from ._tags import FileJob
 
 __all__ = ["CheckpointEngine", "CommitResult", "Staged"]
 
-_T = TypeVar("_T")
 
-
-async def _result(future: concurrent.futures.Future[_T]) -> _T:
-    """``future``'s result: at once if it is done (no suspension), else awaited."""
-    if future.done():
-        return future.result()
-    return await asyncio.wrap_future(future)
-
-
-class Staged:
+class Staged(Handle[None]):
     """What :meth:`CheckpointEngine.stage` returns: one call's snapshot copy, in flight.
 
-    ``await staged`` returns ``None`` once every tensor of the call is copied into staging
-    memory (at once, without suspending, if it already is); from then on the caller may
-    mutate or free them. It raises what the staging raised (:class:`InvalidStateError`
-    naming the key for bad input, :class:`CheckpointError` naming the key of a tensor
-    modified in place since ``stage()`` was called, :class:`WorkerDiedError`). A failure
-    raised here is not raised again by ``commit()``. Cancelling the await abandons the
-    wait only. :meth:`done` tells without waiting.
+    A :class:`~aoffload.Handle`: ``await staged`` (asyncio) or ``staged.result()`` (any
+    thread) returns ``None`` once every tensor of the call is copied into staging memory
+    (at once, without suspending, if it already is); from then on the caller may mutate
+    or free them. Run the fence on the thread that owns the state (the training loop's):
+    it checks that nothing was modified in place since ``stage()``. It raises what the
+    staging raised (:class:`InvalidStateError` naming the key for bad input,
+    :class:`CheckpointError` naming the key of a tensor modified in place since
+    ``stage()`` was called, :class:`WorkerDiedError`). A failure raised here is not raised
+    again by ``commit()``. An abandoned wait (a cancelled await, a ``result(timeout)``
+    that ran out) abandons the wait only. :meth:`done` tells without waiting.
     """
 
     __slots__ = ("_core", "_job", "name", "tag")
 
     def __init__(self, job: FileJob | None, core: EngineCore, name: str, tag: str) -> None:
+        if job is None:  # a replica: nothing to copy
+            nothing = running_future()
+            nothing.set_result(None)
+            super().__init__(nothing)
+        else:
+            super().__init__(job.staged, seen=lambda exc: core.tags.seen(job, exc))
         self._job, self._core, self.name, self.tag = job, core, name, tag
 
     def done(self) -> bool:
@@ -65,41 +65,30 @@ class Staged:
 
         Once it returns ``True`` the fence has been passed: the tensors may be modified.
         """
-        job = self._job
-        if job is None:
-            return True
-        if not job.staged.done():
+        if not super().done():
             return False
-        with contextlib.suppress(Exception):  # raised by the await
-            self._core.seal(job)
+        if self._job is not None:
+            with contextlib.suppress(Exception):  # raised by the wait
+                self._core.seal(self._job)
         return True
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._wait().__await__()
-
-    async def _wait(self) -> None:
-        job = self._job
-        if job is None:
-            return
-        try:
-            await _result(job.staged)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._core.tags.seen(job, exc)
-            raise
-        self._core.seal(job)
+    def _finish(self, value: Any) -> None:
+        if self._job is not None:
+            self._core.seal(self._job)
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "copying"
+        state = "done" if super().done() else "copying"
         return f"<Staged {self.tag}/{self.name} {state}>"
 
 
-class CheckpointEngine(AsyncResource):
-    """Snapshot-consistent asynchronous checkpoints written by a spawned writer process.
+class CheckpointEngine(Resource):
+    """Snapshot-consistent checkpoints written in the background by a spawned writer process.
 
-    Use as ``async with CheckpointEngine(directory) as engine:``; see :meth:`stage`,
-    :meth:`save`, :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
+    One object, two faces. A synchronous trainer uses ``with CheckpointEngine(directory)
+    as engine:`` (or ``start()`` / ``close()``) and calls ``.result()`` on what a call
+    returns; an asyncio trainer uses ``async with`` (or ``astart()`` / ``aclose()``) and
+    awaits the same :class:`~aoffload.Handle`. See :meth:`stage`, :meth:`save`,
+    :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
     keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
     checkpoints staged but not yet durable (each holds staging memory the size of its
     tensors). ``writer=False`` makes a replica that validates names and writes nothing.
@@ -199,31 +188,36 @@ class CheckpointEngine(AsyncResource):
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    async def _open(self) -> None:
+    def _open(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
-        await run_in_thread(self._core.start, name="aoffload-checkpoint-start")
+        self._core.start()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close; an exception leaving the block marks this rank failed for its peers."""
-        if exc is not None:
-            self._core.failing(exc)
-        await self.aclose()
+    def _failing(self, exc: BaseException) -> None:
+        """An exception leaving the block marks this rank failed for its peers."""
+        self._core.failing(exc)
 
-    async def _close(self) -> None:
+    def _close(self) -> None:
         """Finish commits in flight, stop the writer, release staging memory.
 
         Tags saved but never committed are discarded (logged at WARNING). Raises the
         failure of a background commit nobody saw.
         """
+        self._uninstall_notice()
+        self._core.close()
+
+    def _uninstall_notice(self) -> None:
         notice = self._core.notice
         if notice is not None:
-            notice.uninstall()  # here, on the loop's thread: the main thread restores handlers
-        await run_in_thread(self._core.close, name="aoffload-checkpoint-close")
+            notice.uninstall()  # on the caller's thread: the main thread restores handlers
+
+    async def aclose(self) -> None:
+        """Finish commits in flight, stop the writer, release staging memory (awaited).
+
+        The close runs on a thread of its own; a preemption notice's signal handlers are
+        restored first, here, on the loop's thread. Idempotent.
+        """
+        self._uninstall_notice()
+        await super().aclose()
 
     def check_running(self) -> None:
         """Raise why the engine cannot save or commit now (closed, or its writer died)."""
@@ -252,13 +246,14 @@ class CheckpointEngine(AsyncResource):
         job = self._core.stage(state, name, tag)
         return Staged(job, self._core, name, tag)
 
-    async def save(self, state: object, name: str, *, tag: str) -> None:
-        """Snapshot ``state`` as file ``name`` of checkpoint ``tag``: ``await self.stage(...)``.
+    def save(self, state: object, name: str, *, tag: str) -> Staged:
+        """Snapshot ``state`` as file ``name`` of checkpoint ``tag``: the same as :meth:`stage`.
 
-        When this returns, every tensor has been copied into staging memory: the caller
-        may mutate or free it at once.
+        Named for the caller who waits at once: when ``await engine.save(...)`` (or
+        ``engine.save(...).result()``) returns, every tensor has been copied into staging
+        memory, and the caller may mutate or free it.
         """
-        await self.stage(state, name, tag=tag)
+        return self.stage(state, name, tag=tag)
 
     # -- commit -------------------------------------------------------------------------
 
@@ -268,12 +263,12 @@ class CheckpointEngine(AsyncResource):
         *,
         latest: bool = True,
         metadata: Mapping[str, Any] | None = None,
-    ) -> Coroutine[Any, Any, CommitResult]:
+    ) -> Handle[CommitResult]:
         """Make checkpoint ``tag`` durable and publish it (and ``latest``); see :mod:`._format`.
 
-        The commit starts when this is *called* (so ``asyncio.create_task(engine.commit(t))``
-        has started it before the task first runs) and runs on the engine's commit thread;
-        the returned coroutine waits for it. ``tag=None`` commits the single open tag;
+        The commit starts when this is called and runs on the engine's commit thread,
+        whatever the caller does next; the returned :class:`~aoffload.Handle` waits for
+        it (``await`` it, or ``.result()``). ``tag=None`` commits the single open tag;
         ``latest=False`` publishes the tag without moving ``latest``. ``metadata`` (a
         mapping of JSON values: the step, a loss, the data position; at most 64 KiB) is
         stored in the tag's manifest, as the mapping is at this call; :meth:`metadata`,
@@ -292,14 +287,13 @@ class CheckpointEngine(AsyncResource):
         metadata that JSON cannot hold (naming the key) or that is too large.
         """
         self.check_running()
-        return self._wait_commit(self._core.commit(tag, latest, metadata))
+        return self._owned(self._core.commit(tag, latest, metadata))
 
-    async def _wait_commit(self, future: concurrent.futures.Future[CommitResult]) -> CommitResult:
-        try:
-            return await _result(future)
-        except AoffloadError:
-            self._core.tags.commit_seen(future)  # raised here: not again from the next call
-            raise
+    def _owned(self, future: concurrent.futures.Future[CommitResult]) -> Handle[CommitResult]:
+        """A handle on a commit or an upload that the engine owns: its failure, once raised
+        to a caller, is not raised again by the engine's next call."""
+        tags = self._core.tags
+        return Handle(future, seen=lambda _: tags.commit_seen(future))
 
     def commit_soon(
         self, tag: str | None = None, *, metadata: Mapping[str, Any] | None = None
@@ -325,8 +319,9 @@ class CheckpointEngine(AsyncResource):
         """
         return self._core.metadata(tag)
 
-    async def uploaded(self, tag: str | None = None) -> CommitResult:
-        """Wait until checkpoint ``tag`` is published in the remote tier; its :class:`CommitResult`.
+    def uploaded(self, tag: str | None = None) -> Handle[CommitResult]:
+        """A handle that resolves once checkpoint ``tag`` is published in the remote tier,
+        to its :class:`CommitResult`.
 
         ``tag=None`` is this engine's newest commit. A tag is published remotely once every
         file, then its manifest, then ``latest`` are uploaded (with several ranks: every
@@ -339,12 +334,7 @@ class CheckpointEngine(AsyncResource):
         Cancelling the wait abandons the wait only.
         """
         self.check_running()
-        future = self._core.uploaded(tag)
-        try:
-            return await _result(future)
-        except AoffloadError:
-            self._core.tags.commit_seen(future)  # raised here: not again from the next call
-            raise
+        return self._owned(self._core.uploaded(tag))
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -367,7 +357,7 @@ class CheckpointEngine(AsyncResource):
 
     # -- load ---------------------------------------------------------------------------
 
-    async def load(
+    def load(
         self,
         name: str,
         *,
@@ -375,8 +365,9 @@ class CheckpointEngine(AsyncResource):
         map_location: MapLocation = "cpu",
         verify: bool = True,
         weights_only: bool = True,
-    ) -> Any:
-        """Load file ``name`` of committed checkpoint ``tag`` (default: the newest).
+    ) -> Handle[Any]:
+        """Load file ``name`` of committed checkpoint ``tag`` (default: the newest); a
+        :class:`~aoffload.Handle` of the loaded object (``await`` it, or ``.result()``).
 
         Verified against the manifest (``CorruptCheckpointError`` naming the file on a
         mismatch), loaded with ``weights_only=True`` on the engine's load thread.
@@ -387,6 +378,5 @@ class CheckpointEngine(AsyncResource):
         that is not in ``directory`` is downloaded by the uploader, verified against the
         remote manifest and cached in ``directory/.remote-cache``.
         """
-        super().check_running()
-        loading = self._core.load(name, tag, map_location, verify, weights_only)
-        return (await _result(loading)).take()
+        Resource.check_running(self)
+        return Handle(self._core.load(name, tag, map_location, verify, weights_only))

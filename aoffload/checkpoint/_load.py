@@ -32,7 +32,7 @@ import torch
 
 from .._errors import CheckpointError, CorruptCheckpointError, RemoteError
 from .._runtime.core import WorkerCore
-from .._runtime.threads import run_in_thread
+from .._runtime.handle import Handle, in_thread
 from . import _format
 from .writer import TARGET
 from .writer._calls import LoadedFile, LoadFile, WriterConfig
@@ -236,7 +236,7 @@ def load_file(
         os.close(fd)
 
 
-async def load_checkpoint(
+def load_checkpoint(
     directory: str | os.PathLike[str],
     name: str,
     tag: str | None = None,
@@ -245,8 +245,11 @@ async def load_checkpoint(
     verify: bool = True,
     weights_only: bool = True,
     storage_options: Mapping[str, Any] | None = None,
-) -> Any:
+) -> Handle[Any]:
     """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
+
+    Returns at once with a :class:`~aoffload.Handle` of the loaded object: ``await`` it in
+    asyncio code, or call ``.result()``.
 
     ``directory`` may be a remote tier's URL (``s3://bucket/run``, reached with
     ``storage_options``): the file is then downloaded by a worker started for the call,
@@ -260,17 +263,17 @@ async def load_checkpoint(
     your explicit opt-in, as with ``torch.load``, for a file **you trust** that holds
     other objects (a numpy RNG state): unpickling it can run arbitrary code. Raises
     :class:`CorruptCheckpointError` naming the file on a mismatch or a missing file, and
-    :class:`CheckpointError` for an unknown tag or name. Cancelling the await abandons
-    the wait; the load ends on its thread and its result is dropped.
+    :class:`CheckpointError` for an unknown tag or name. An abandoned wait abandons the
+    wait only; the load ends on its thread.
     """
     if isinstance(directory, str) and "://" in directory:
         from ._resume import load_url
 
-        return await run_in_thread(
+        return in_thread(
             load_url, directory, name, tag, storage_options, map_location, verify,
             weights_only, name="aoffload-load",
         )  # fmt: skip
-    return await run_in_thread(
+    return in_thread(
         load_file,
         Path(directory),
         name,
@@ -283,13 +286,16 @@ async def load_checkpoint(
     )
 
 
-async def load_metadata(
+def load_metadata(
     directory: str | os.PathLike[str],
     tag: str | None = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> Handle[dict[str, Any]]:
     """The metadata committed with checkpoint ``tag`` of ``directory``, without an engine.
+
+    Returns at once with a :class:`~aoffload.Handle` of the mapping: ``await`` it in
+    asyncio code, or call ``.result()``.
 
     ``tag=None`` reads the checkpoint ``latest`` names. Returns ``{}`` for a checkpoint
     committed without metadata. The manifest is read on a thread of its own. ``directory``
@@ -300,9 +306,7 @@ async def load_metadata(
     if isinstance(directory, str) and "://" in directory:
         from ._resume import metadata_url
 
-        return await run_in_thread(
-            metadata_url, directory, tag, storage_options, name="aoffload-load"
-        )
+        return in_thread(metadata_url, directory, tag, storage_options, name="aoffload-load")
 
     def read() -> dict[str, Any]:
         _, manifest = read_manifest(Path(directory), tag)
@@ -311,4 +315,4 @@ async def load_metadata(
             raise CorruptCheckpointError(f"{directory}: the manifest's metadata is not a mapping")
         return metadata
 
-    return await run_in_thread(read, name="aoffload-load")
+    return in_thread(read, name="aoffload-load")

@@ -18,7 +18,6 @@ on, so the ranks must call ``reached()`` with the same steps, in order.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -27,6 +26,7 @@ from signal import SIGKILL, SIGSTOP, Signals
 
 from .._errors import ClosedError, InvalidStateError
 from .._runtime import signals as _signals
+from .._runtime.handle import Handle
 from .._runtime.threads import mark_retrieved, running_future
 from ._agreement import Agreement
 from ._ranks import Rendezvous
@@ -96,22 +96,26 @@ class PreemptionNotice:
         """
         self._note(None)
 
-    async def reached(self, step: int) -> bool:
+    def reached(self, step: int) -> Handle[bool]:
         """Whether to save at ``step`` and stop: True on every rank at the same step.
 
-        Call it once per step on every rank with the same increasing steps. Without a
-        notice it returns at once, without suspending. Once any rank was signalled it
-        returns True from the first step every rank can still reach (on a single process:
-        at once); it may wait for the ranks' agreement for a moment, off the loop. Raises
+        A :class:`~aoffload.Handle` of the answer: ``if await notice.reached(step):`` in
+        asyncio code, ``if notice.reached(step).result():`` in a synchronous loop. Call it
+        once per step on every rank with the same increasing steps. Without a notice the
+        answer is there at once (awaiting it does not suspend). Once any rank was signalled
+        it is True from the first step every rank can still reach (on a single process: at
+        once); it may wait for the ranks' agreement for a moment, off the loop. Raises
         :class:`~aoffload.CheckpointError` when the ranks cannot agree (a rank died, closed
         its engine, or did not call ``preemption()``); :class:`~aoffload.ClosedError` once
         the engine closed.
         """
         answer = self._answer(step)
-        if answer is None:
-            if not self._agreement.done():
-                await asyncio.wrap_future(self._agreement)
-            answer = self._answer(step)
+        if answer is not None:
+            return Handle.of(answer)
+        return Handle(self._agreement, then=lambda _: self._agreed_at(step))
+
+    def _agreed_at(self, step: int) -> bool:
+        answer = self._answer(step)
         if answer is None:  # pragma: no cover - agreed() is set before the future
             raise RuntimeError("the preemption agreement resolved without a step")
         return answer
