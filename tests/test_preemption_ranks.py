@@ -73,16 +73,25 @@ def test_every_rank_signalled_at_once_agrees_once(two_ranks: Any) -> None:
     only_tag_holds_every_rank_state(directory, results[0]["step"])
 
 
+SILENT_TIMEOUT = 2.0
+"""The silent_rank scenario's commit_timeout (tests/_preemption_scenarios.py)."""
+SLACK = 3.0
+"""What a loaded 2-core host may add to a deadline."""
+AT_ONCE = 5.0
+""""At once": no timeout waited out (the closed_rank scenario's is the default, 300 s)."""
+
+
 def test_a_rank_without_a_notice_is_named_within_commit_timeout(two_ranks: Any) -> None:
     _, (waiting, silent) = scenario(two_ranks, "silent_rank")
     assert silent == {}
     assert "rank(s) [1] did not answer" in waiting["error"]
     assert "engine.preemption()" in waiting["error"]
-    assert waiting["seconds"] < 60  # commit_timeout is 2 s; far below the scenario's bound
+    assert waiting["seconds"] >= SILENT_TIMEOUT  # it gave the rank its whole commit_timeout
+    assert waiting["seconds"] < SILENT_TIMEOUT + SLACK
 
 
 def test_a_rank_that_closed_its_engine_is_named_at_once(two_ranks: Any) -> None:
     _, (waiting, closed) = scenario(two_ranks, "closed_rank")
     assert closed == {}
     assert "rank 1 had closed its engine" in waiting["error"]
-    assert waiting["seconds"] < 60  # no commit_timeout (300 s) was waited out
+    assert waiting["seconds"] < AT_ONCE

@@ -315,7 +315,7 @@ async def test_aclose_gives_up_on_an_upload_after_upload_timeout(
         started = time.monotonic()
         with pytest.raises(aoffload.CheckpointError, match=r"upload_timeout=2\.0"):
             await engine.aclose()
-        assert time.monotonic() - started < 30
+        assert 2.0 <= time.monotonic() - started < 2.0 + 3.0  # upload_timeout, and no more
     assert complete_tags(tmp_path) == ["step-1"]
 
 
