@@ -35,7 +35,7 @@ import torch
 
 from .._errors import ClosedError, OptimizerError
 from .._runtime.resource import State
-from .._runtime.threads import run_in_thread, running_future
+from .._runtime.threads import run_in_thread, running_future, start_thread
 from ._core import OptimizerCore
 from ._offload_state import FORMAT, Loaded, config_of, from_torch, packed_groups, to_torch
 from ._offload_step import OUTCOMES, Flow, StepReport, step_flow
@@ -446,7 +446,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 done.set_exception(exc)
 
         self._off.unfinished = done
-        threading.Thread(target=finish, name="aoffload-offload-adam-step", daemon=True).start()
+        start_thread(finish, name="aoffload-offload-adam-step", failed=done.set_exception)
 
     # -- param groups --------------------------------------------------------------------
 
