@@ -35,9 +35,11 @@ _SAMPLES: dict[int, tuple[list[float], list[float]]] = {}
 """Per loop thread: the monotonic times of its recent ticks, and its run-queue delay then."""
 
 
-def report_to(report: Callable[[str], None] | None) -> None:
-    """Where a late tick is reported (the current test's guard), or nowhere."""
+def report_to(report: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Where a late tick is reported (the current test's guard), or nowhere; the previous."""
+    previous = _REPORT[0] if _REPORT else None
     _REPORT[:] = [] if report is None else [report]
+    return previous
 
 
 def run_delay() -> float:
