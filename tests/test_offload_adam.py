@@ -19,11 +19,6 @@ from aoffload import OffloadAdam
 
 from . import _offload as o
 
-# Forward and backward run on the loop's thread, as in a synchronous training step; on a
-# loaded 2-core host one of them can pass 50 ms. The loop guard watches the library in
-# test_offload_adam_threads.py, where the backward runs elsewhere.
-pytestmark = pytest.mark.blocks_loop
-
 Results = dict[str, list[torch.Tensor]]
 
 
