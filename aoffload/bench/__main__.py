@@ -228,7 +228,10 @@ def _plot(directory: Path, payloads: list[dict[str, Any]]) -> int:
     try:
         from ._plot import plot
     except ImportError as exc:
-        print(f"aoffload.bench: --plot needs matplotlib ({exc}); pip install aoffload[bench]")
+        print(
+            f"aoffload.bench: --plot needs matplotlib ({exc}); pip install aoffload[bench]",
+            file=sys.stderr,
+        )
         return 2
     written = plot(payloads, directory)
     for path in written:
