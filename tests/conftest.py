@@ -75,7 +75,9 @@ class LoopBlockGuard(logging.Handler):
         seconds = float(took.group(1))  # emitted on the loop's thread, right after the callback
         queued = queued_since(seconds)
         if seconds - queued > SLOW_CALLBACK_SECONDS:
-            self.slow.append(f"{message} ({queued * 1e3:.0f} ms of it waiting for a CPU)")
+            self.slow.append(
+                f"{message} (no thread waited more than {queued * 1e3:.0f} ms for a CPU)"
+            )
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -24,6 +24,7 @@ from aoffload._runtime.resource import State
 from aoffload._runtime.threads import DaemonThreadExecutor
 
 from ._leaks import Snapshot, child_pids
+from ._loop_ticker import PERIOD
 from .conftest import LoopBlockGuard
 from .services.echo import (
     TARGET,
@@ -347,6 +348,8 @@ async def test_the_loop_guard_catches_a_blocked_loop(loop_block_guard: LoopBlock
     time.sleep(0.12)  # noqa: ASYNC251 - deliberately block this test step
     await asyncio.sleep(0)
     assert loop_block_guard.slow, "asyncio debug mode did not report a 120 ms blocking step"
+    await asyncio.sleep(2 * PERIOD)  # the ticker's overdue tick runs, and reports it too
+    assert any("woke" in message for message in loop_block_guard.slow), loop_block_guard.slow
     loop_block_guard.slow.clear()
 
 

@@ -61,7 +61,7 @@ def test_a_thread_holding_the_gil_is_seen_while_the_loop_waits_in_select(
 
     _loop_waiting_while(hold)
     assert late, "a 200 ms GIL stall went unseen"
-    assert "something kept it from running" in late[0]
+    assert "kept it from running" in late[0]
 
 
 def test_a_thread_that_releases_the_gil_is_not_blamed(late: list[str]) -> None:
