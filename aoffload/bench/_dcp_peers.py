@@ -23,9 +23,12 @@ import torch
 
 __all__ = [
     "AOFFLOAD_ENGINE",
+    "DCP_BLOCKING",
+    "TORCH_CHECKPOINTING",
     "AoffloadEngine",
     "DcpAsync",
     "DcpBlocking",
+    "dcp_async_name",
     "Peer",
     "Save",
     "TorchCheckpointing",
@@ -35,6 +38,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 AOFFLOAD_ENGINE = "aoffload CheckpointEngine (its own torch.save files: a reference, not DCP)"
+DCP_BLOCKING = "DCP save, FileSystemWriter (blocking)"
+TORCH_CHECKPOINTING = "torch_checkpointing"
+"""The start of torch_checkpointing's label (its version and writes follow)."""
 
 
 def _nothing() -> None:
@@ -88,7 +94,7 @@ class DcpBlocking:
     )
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.name = "DCP save, FileSystemWriter (blocking)"
+        self.name = DCP_BLOCKING
         self.state = state
 
     def save(self, path: Path) -> Save:
@@ -101,6 +107,17 @@ class DcpBlocking:
 
     def close(self) -> None:
         return None
+
+
+def dcp_async_name(process: bool, shared: bool | None, cuda: bool) -> str:
+    """The label of :class:`DcpAsync` in these modes."""
+    mode = "PROCESS" if process else "THREAD"
+    if shared is None:
+        return f"DCP async_save {mode}, no stager (copies in the call)"
+    parts = ["async staging"]
+    parts += ["shared memory"] if shared else []
+    parts += ["pinned memory, non-blocking copies"] if cuda else []
+    return f"DCP async_save {mode}, DefaultStager ({', '.join(parts)})"
 
 
 class DcpAsync:
@@ -118,31 +135,20 @@ class DcpAsync:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        mode = "PROCESS" if process else "THREAD"
         self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         self.state = state
         self.stager: Any = None
-        if shared is None:
-            self.name = f"DCP async_save {mode}, no stager (copies in the call)"
-            return
         cuda = torch.cuda.is_available()
-        options = StagingOptions(
-            use_pinned_memory=cuda,
-            use_shared_memory=shared,
-            use_async_staging=True,
-            use_non_blocking_copy=cuda,
-        )
-        what = ", ".join(
-            part
-            for part, used in (
-                ("async staging", True),
-                ("shared memory", shared),
-                ("pinned memory, non-blocking copies", cuda),
+        self.name = dcp_async_name(process, shared, cuda)
+        if shared is not None:
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=shared,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
             )
-            if used
-        )
-        self.name = f"DCP async_save {mode}, DefaultStager ({what})"
-        self.stager = DefaultStager(options)
 
     def save(self, path: Path) -> Save:
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
@@ -184,7 +190,7 @@ class TorchCheckpointing:
 
         self.version = getattr(torch_checkpointing, "__version__", "?")
         writes = "O_DIRECT writes" if direct_io else "buffered writes: its O_DIRECT fails here"
-        self.name = f"torch_checkpointing {self.version} CheckpointManager (async, {writes})"
+        self.name = f"{TORCH_CHECKPOINTING} {self.version} CheckpointManager (async, {writes})"
         self.note = "it never fsyncs: the bench fsyncs every file and directory it wrote"
         config = torch_checkpointing.CheckpointManager.Config(
             storage_config=LocalFileSystemStorageConfig(use_direct_io=direct_io)

@@ -31,7 +31,13 @@ IDLE_SECONDS = 0.2
 def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], Any] | None]]:
     """Every system, in the order they run: (a name for errors, a factory; None for
     torch_checkpointing, whose writes are chosen by :func:`_torch_checkpointing`)."""
-    from ._dcp_peers import AOFFLOAD_ENGINE, AoffloadEngine, DcpAsync, DcpBlocking
+    from ._dcp_peers import (
+        AOFFLOAD_ENGINE,
+        TORCH_CHECKPOINTING,
+        AoffloadEngine,
+        DcpAsync,
+        DcpBlocking,
+    )
 
     thread = [
         (f"DCP async_save THREAD ({shared})", lambda s=shared: DcpAsync(state, False, s))
@@ -48,7 +54,7 @@ def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], An
         # Phase B of #34 plugs in here: aoffload.dcp's Stager + StorageWriter through
         # dcp.async_save in THREAD mode (a DcpAsync given that stager and a writer per
         # save), and in PROCESS mode after the PROCESS blocks below.
-        ("torch_checkpointing", None),
+        (TORCH_CHECKPOINTING, None),
         *process,
     ]
 
