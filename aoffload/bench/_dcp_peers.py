@@ -127,20 +127,36 @@ class DcpAsync:
     (its default). Otherwise one ``DefaultStager`` with async staging serves every save of
     the block (its staging buffers are kept between saves, as DCP intends); pinned memory
     and non-blocking copies are used where CUDA is (DCP refuses them without it).
+
+    Another system on DCP's route (aoffload.dcp's) passes its own ``stager`` and ``writer``
+    (a ``StorageWriter`` per save path, else DCP's ``FileSystemWriter`` through
+    ``checkpoint_id``), its ``name`` and its ``note``.
     """
 
     note = DcpBlocking.note
 
-    def __init__(self, state: dict[str, torch.Tensor], process: bool, shared: bool | None) -> None:
+    def __init__(
+        self,
+        state: dict[str, torch.Tensor],
+        process: bool,
+        shared: bool | None,
+        *,
+        stager: Any = None,
+        writer: Callable[[Path], Any] | None = None,
+        name: str = "",
+        note: str = "",
+    ) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         self.state = state
-        self.stager: Any = None
+        self.stager = stager
+        self.writer = writer
+        self.note = note or DcpBlocking.note
         cuda = torch.cuda.is_available()
-        self.name = dcp_async_name(process, shared, cuda)
-        if shared is not None:
+        self.name = name or dcp_async_name(process, shared, cuda)
+        if stager is None and shared is not None:
             self.stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
@@ -155,7 +171,8 @@ class DcpAsync:
 
         response = async_save(
             self.state,
-            checkpoint_id=str(path),
+            checkpoint_id=None if self.writer else str(path),
+            storage_writer=self.writer(path) if self.writer else None,
             async_checkpointer_type=self.kind,
             async_stager=self.stager,
         )

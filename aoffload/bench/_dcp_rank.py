@@ -51,9 +51,10 @@ def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], An
         ("DCP save", lambda: DcpBlocking(state)),
         *thread,
         (AOFFLOAD_ENGINE, lambda: AoffloadEngine(state, root / "aoffload", rank)),
-        # Phase B of #34 plugs in here: aoffload.dcp's Stager + StorageWriter through
-        # dcp.async_save in THREAD mode (a DcpAsync given that stager and a writer per
-        # save), and in PROCESS mode after the PROCESS blocks below.
+        # ---- Phase B of #34 plugs in here: aoffload.dcp's route through dcp.async_save in
+        # THREAD mode, e.g. DcpAsync(state, False, None, stager=Stager(), writer=lambda p:
+        # StorageWriter(root / "aoffload-dcp", tag=p.name), name=..., note=...); its PROCESS
+        # mode goes after the DCP PROCESS blocks below (DCP's daemon outlives its block).
         (TORCH_CHECKPOINTING, None),
         *process,
     ]
