@@ -20,9 +20,9 @@ import torch
 
 import aoffload
 from aoffload import CPUAdam
-from aoffload.optimizer._calls import Info
-from aoffload.optimizer._deepspeed_op import STAMP, _stamp_mismatch, build_directory
-from aoffload.optimizer._deepspeed_start import AcceleratorNoticeFilter
+from aoffload.optimizer.worker._calls import Info
+from aoffload.optimizer.worker._deepspeed_op import STAMP, _stamp_mismatch, build_directory
+from aoffload.optimizer.worker._deepspeed_start import AcceleratorNoticeFilter
 
 from . import _adam_schedule as sched
 from .test_optimizer import run_schedule, steps_then_rollback
@@ -192,7 +192,9 @@ async def start_and_run(caplog: pytest.LogCaptureFixture) -> Started:
         mapped = mapped_libraries(pid)
         params = await run_schedule(opt)
     logged = "\n".join(
-        r.getMessage() for r in caplog.records if r.name == "aoffload.optimizer._deepspeed_op"
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "aoffload.optimizer.worker._deepspeed_op"
     )
     return Started(info, mapped, params, logged)
 

@@ -19,9 +19,9 @@ from deepspeed.runtime.superoffload.superoffload_utils import EventTypes, Result
 
 from .._errors import ClosedError, OptimizerError
 from ..optimizer import StepKind, StepResult
-from ..optimizer._calls import GROUP_KEYS
 from ..optimizer._core import OptimizerCore
 from ..optimizer._subgroups import check_options
+from ..optimizer.worker._calls import GROUP_KEYS
 
 __all__ = ["SuperOffloadCPUOptimizer", "install_superoffload"]
 

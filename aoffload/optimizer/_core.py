@@ -30,11 +30,11 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Step
 from ._results import Outcomes, Pending, StepKind, StepResult
-from ._service import TARGET
 from ._state import StateTransfer, parse
 from ._subgroups import Registry, SubGroup, check_registered, share, valid_lr, validate
+from .worker import TARGET
+from .worker._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Step
 
 __all__ = ["OptimizerCore"]
 

@@ -35,8 +35,8 @@ import torch
 from .._errors import OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import mark_retrieved, running_future
-from ._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
 from ._subgroups import Registry, group_config
+from .worker._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
 
 __all__ = ["FORMAT", "LoadPlan", "StateTransfer", "parse"]
 

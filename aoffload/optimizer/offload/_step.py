@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import ClosedError
+from ..._errors import ClosedError
+from .._core import OptimizerCore
+from .._results import StepKind, Wait
 from ._buckets import Bucket
-from ._core import OptimizerCore
 from ._offloader import Offloader
-from ._results import StepKind, Wait
 
 __all__ = ["OUTCOMES", "Flow", "StepReport", "step_flow"]
 

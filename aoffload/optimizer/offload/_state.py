@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from .._errors import OptimizerError
+from ..._errors import OptimizerError
+from .._state import FORMAT as CORE_FORMAT
+from .._subgroups import group_config
+from ..worker._calls import GroupConfig
 from ._buckets import Bucket
-from ._calls import GroupConfig
-from ._state import FORMAT as CORE_FORMAT
-from ._subgroups import group_config
 
 __all__ = ["FORMAT", "Loaded", "config_of", "from_torch", "packed_groups", "to_torch"]
 

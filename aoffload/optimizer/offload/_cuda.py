@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._runtime.threads import DaemonThreadExecutor
+from ..._runtime.threads import DaemonThreadExecutor
 from ._buckets import Bucket
 
 __all__ = ["CudaLinks"]

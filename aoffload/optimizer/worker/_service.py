@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .._runtime.protocol import Call
-from .._runtime.serve import Handler, Service, target
+from ..._runtime.protocol import Call
+from ..._runtime.serve import Handler, Service, target
 from ._backends import Backup, DeepSpeedBackend, NoStepError, TorchBackend
 from ._calls import (
     AdamConfig,

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
+from ..._errors import ClosedError, OptimizerError
 
 __all__ = ["ALIGN", "Bucket", "aligned", "can_reside", "copy_into"]
 

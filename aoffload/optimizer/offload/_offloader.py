@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
-from .._runtime.gate import GATE
-from ._bucket_plan import plan
+from ..._errors import ClosedError, OptimizerError
+from ..._runtime.gate import GATE
+from .._core import OptimizerCore
+from ..worker._calls import GroupConfig
 from ._buckets import Bucket
-from ._calls import GroupConfig
-from ._core import OptimizerCore
-from ._offload_state import Loaded, config_of
+from ._plan import plan
+from ._state import Loaded, config_of
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle

@@ -33,16 +33,16 @@ from typing import Any
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
-from .._runtime.resource import State
-from .._runtime.threads import run_in_thread, running_future
-from ._core import OptimizerCore
-from ._offload_state import FORMAT, Loaded, config_of, from_torch, packed_groups, to_torch
-from ._offload_step import OUTCOMES, Flow, StepReport, step_flow
+from ..._errors import ClosedError, OptimizerError
+from ..._runtime.resource import State
+from ..._runtime.threads import run_in_thread, running_future
+from .._core import OptimizerCore
+from .._results import Outcomes
+from .._subgroups import BACKENDS
+from .._waits import LoopWaits
 from ._offloader import Offloader, Options
-from ._results import Outcomes
-from ._subgroups import BACKENDS
-from ._waits import LoopWaits
+from ._state import FORMAT, Loaded, config_of, from_torch, packed_groups, to_torch
+from ._step import OUTCOMES, Flow, StepReport, step_flow
 
 __all__ = ["DEFAULT_BUCKET_MB", "OffloadAdam"]
 

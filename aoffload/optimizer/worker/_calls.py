@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._runtime.protocol import Call, Wire
+from ..._runtime.protocol import Call, Wire
 
 __all__ = [
     "GROUP_KEYS",
