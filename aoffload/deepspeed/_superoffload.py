@@ -182,7 +182,7 @@ class SuperOffloadCPUOptimizer:
             )
         key = (param_group_id, sub_group_id)
         param, grad = self._tensors(key, fp32_param, fp32_grad)
-        self._core.submit(param_group_id, sub_group_id, param, grad, lr=lr, rollback=rollback)
+        self._core.submit((param_group_id, sub_group_id), param, grad, lr=lr, rollback=rollback)
         if key not in self._registered:  # registered by this first step: record its memory
             self._registered[key] = (param, grad)
 

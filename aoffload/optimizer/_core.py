@@ -197,18 +197,18 @@ class OptimizerCore:
 
     def submit(
         self,
-        group_id: int,
-        subgroup_id: int,
+        key: tuple[int, int],
         param: torch.Tensor,
         grad: torch.Tensor,
         lr: float | None = None,
         rollback: bool = False,
     ) -> None:
-        """Queue one step (see :meth:`CPUAdam.submit`); from any thread, never blocks."""
+        """Queue one step of sub-group ``key`` (``(group_id, subgroup_id)``; see
+        :meth:`CPUAdam.submit`); from any thread, never blocks."""
         worker = self.check_running()
         registry = self.registry
         registry.check_not_loading()
-        key = (group_id, subgroup_id)
+        group_id, subgroup_id = key
         sub = registry.subgroups.get(key)
         register: concurrent.futures.Future[None] | None = None
         copy: torch.Tensor | None = None

@@ -174,7 +174,7 @@ class CPUAdam(AsyncResource):
         bad input, before anything is sent.
         """
         self.check_running()
-        self._core.submit(group_id, subgroup_id, param, grad, lr, rollback)
+        self._core.submit((group_id, subgroup_id), param, grad, lr, rollback)
 
     # -- results -----------------------------------------------------------------------
 

@@ -311,7 +311,7 @@ class Offloader:
             raise ClosedError("OffloadAdam was closed during the step")
         if bucket.resident_params:
             GATE.begin_write(bucket.address)  # after any staging copy of it; until landed()
-        core.submit(bucket.group_id, bucket.index, bucket.master, bucket.grad, lr=bucket.lr)
+        core.submit((bucket.group_id, bucket.index), bucket.master, bucket.grad, lr=bucket.lr)
 
     def group_lr(self, group_id: int) -> float:
         """The group's learning rate now; its other hyper-parameters, if they changed since

@@ -110,7 +110,7 @@ def _send(core: OptimizerCore, bucket: Bucket, *, rollback: bool = False) -> Non
     if bucket.master is None or bucket.grad is None:
         raise RuntimeError("a bucket stepped after it was released")  # a bug of ours
     lr = None if rollback else bucket.lr
-    core.submit(bucket.group_id, bucket.index, bucket.master, bucket.grad, lr, rollback)
+    core.submit((bucket.group_id, bucket.index), bucket.master, bucket.grad, lr, rollback)
 
 
 def _add(errors: list[BaseException], error: BaseException) -> None:

@@ -12,6 +12,7 @@ Optimizer state moves through shared *state buffers* that the worker allocates o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,17 @@ class GroupConfig:
     eps: float
     weight_decay: float
     bias_correction: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """The group in a state dict's layout (DeepSpeed's keys, ``torch.optim``'s betas)."""
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": False,
+            "bias_correction": self.bias_correction,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +149,7 @@ Kernel = tuple[int, int, float, float]
 """DeepSpeed's CPU Adam bias-correction state: (anchor step, step, beta1, beta2).
 
 ``beta**anchor`` was computed with ``pow``, then multiplied by ``beta`` once per step
-up to ``step``; the next step's rounding depends on it (see ``_backends``)."""
+up to ``step``; the next step's rounding depends on it (see ``_deepspeed_backend``)."""
 
 
 @dataclass(frozen=True, slots=True)
