@@ -1,33 +1,19 @@
 """OffloadAdam: a ``torch.optim`` AdamW whose step runs in a worker process, overlapped with
 the backward (ZeRO-Offload-style for plain PyTorch, speculative as SuperOffload).
 
-The parameters are laid out in buckets (:mod:`._buckets`), each one sub-group of the
-optimizer core's worker, with an fp32 master and gradient in shared memory. A
-post-accumulate-grad hook takes each gradient as autograd produces it and submits a
-bucket the moment it is complete, from the thread that runs the backward
-(:mod:`._offloader`); ``step()``/``astep()`` submits what remains, validates the global
-norm (speculation, :mod:`._offload_step`) and settles each bucket as it is done.
-``step()`` blocks on the core; ``astep()`` awaits the same flow, and the loop wakes once
-per burst of results.
-
-fp32 CPU parameters *live in* the shared masters, their gradients in the shared grads:
-the backward writes each gradient once, where the worker reads it, and the worker's step
-lands in the parameters themselves, with no copy either way on the trainer's thread. So
-they are written by the worker from the moment the backward sends their bucket until the
-step returns, and their version counters move when the step settles. A checkpoint of
-them is exact or fails loudly, never torn: a staging copy taken between steps holds back
-the next backward's first send of that memory until it has ended, one taken during a
-step is refused, and one fenced after the step fails its version check
-(:mod:`aoffload._runtime.gate`). Other parameters (bf16/fp16, CUDA) keep a master of their
-own, and change only inside ``step()``/``astep()``, by copies on the calling thread.
+The face only: the worker, the buckets and the hooks are the offloader's
+(:mod:`._offloader`, :mod:`._hooks`, :mod:`._buckets`: fp32 CPU parameters *live in* the
+worker's shared memory, and checkpoints of them are exact or fail loudly), a step is a
+flow (:mod:`._step`) that ``step()`` drives blocking and ``astep()`` awaits
+(:mod:`._drive`), and the worker's lifecycle and the state kept between its lives are
+:mod:`._life`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
-import threading
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,113 +21,81 @@ import torch
 
 from ..._errors import ClosedError, OptimizerError
 from ..._runtime.resource import State
-from ..._runtime.threads import run_in_thread, running_future
-from .._core import OptimizerCore
-from .._results import Outcomes
-from .._subgroups import BACKENDS
 from .._waits import LoopWaits
-from ._offloader import Offloader, Options
-from ._state import FORMAT, Loaded, config_of, from_torch, packed_groups, to_torch
-from ._step import OUTCOMES, Flow, StepReport, step_flow
+from ._drive import adrive, drive
+from ._life import Life
+from ._offloader import Offloader
+from ._options import DEFAULT_BUCKET_MB, Options
+from ._state import Loaded, config_of, from_torch, to_torch
+from ._step import Amp, StepReport, step_flow
 
 __all__ = ["DEFAULT_BUCKET_MB", "OffloadAdam"]
 
-DEFAULT_BUCKET_MB = 32.0
-"""Bucket size in MiB of fp32. Not yet settled by measurement: ``python -m aoffload.bench
-offload_adam`` compares 32, 4 and 1 MiB on a 21 MB model, and on the shared 2-core host it
-ran on the differences were within the noise (see docs/offload_adam.md)."""
-
-
-def _block(outcomes: Outcomes, need: object) -> None:
-    if need is OUTCOMES:
-        outcomes.wait(outcomes.has_next)
-    elif isinstance(need, concurrent.futures.Future):
-        concurrent.futures.wait([need])
-
-
-def _drive(outcomes: Outcomes, flow: Flow, need: object = None) -> StepReport:
-    """Run the step's flow to its end on this thread, blocking for what it waits on."""
-    try:
-        if need is None:
-            need = next(flow)
-        while True:
-            _block(outcomes, need)
-            need = flow.send(None)
-    except StopIteration as stop:
-        report: StepReport = stop.value
-        return report
-
-
-def _options(
-    backend: str,
-    bucket_mb: float,
-    max_grad_norm: float | None,
-    skip_nonfinite: bool,
-    worker_cores: float | None,
-    start_timeout: float,
-    close_timeout: float,
-) -> Options:
-    if backend not in BACKENDS:
-        raise OptimizerError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise OptimizerError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    if max_grad_norm is not None and not (
-        isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
-    ):
-        raise OptimizerError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-    if worker_cores is not None and not 0.0 < worker_cores <= 1.0:
-        raise OptimizerError(f"worker_cores must be in (0, 1], got {worker_cores!r}")
-    return Options(
-        backend=backend,
-        bucket_bytes=int(bucket_mb * (1 << 20)),
-        max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-        skip_nonfinite=bool(skip_nonfinite),
-        worker_cores=worker_cores,
-        start_timeout=start_timeout,
-        close_timeout=close_timeout,
-    )
+logger = logging.getLogger(__name__)
 
 
 class OffloadAdam(torch.optim.Optimizer):
     """AdamW (``torch.optim.AdamW``'s math) stepped in a worker process, overlapped with the
-    backward; a real :class:`torch.optim.Optimizer`.
+    backward; a real :class:`torch.optim.Optimizer`, for a plain synchronous loop::
+
+        opt = aoffload.OffloadAdam(model.parameters(), lr=1e-3)
+        with opt:                # starts the worker (or opt.start() ... opt.close())
+            for batch in data:
+                loss = model(batch).loss
+                loss.backward()  # each bucket's step is sent as soon as its gradients are in
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # allowed: exact
+                opt.step()       # the rest; parameters updated in place
+                opt.zero_grad()
+        torch.save(opt.state_dict(), "optim.pt")  # works after the block too
+
+    In asyncio code: ``async with opt:`` (``await opt.astart()`` / ``await opt.aclose()``)
+    and ``await opt.astep()``, which never blocks the loop. A closed optimizer keeps its
+    state and can be started again (alternating train and eval blocks): the next step is
+    the one an unbroken run would take.
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` are ``torch.optim.AdamW``'s
     (param groups with their own hyper-parameters; schedulers change ``lr``, and ``betas``,
-    ``eps`` and ``weight_decay`` too, and the next step uses them). Start the worker with
-    ``async with opt:`` (or ``await opt.start()`` / ``await opt.aclose()``) or, in
-    synchronous code, ``with opt:`` (``opt.open()`` / ``opt.close()``). Then::
-
-        loss.backward()      # each bucket's step is sent as soon as its gradients are in
-        await opt.astep()    # or opt.step(): the rest, validated; parameters updated
-        opt.zero_grad()
+    ``eps`` and ``weight_decay`` too, and the next step uses them).
 
     ``backend``: ``"torch"`` (torch's fused AdamW kernel: bit-identical to
-    ``torch.optim.AdamW(fused=True)``), ``"deepspeed"`` (DeepSpeed's CPU Adam) or
-    ``"auto"`` (DeepSpeed when its op builds). ``bucket_mb``: the size of a bucket of
-    parameters in MiB of fp32; the worker steps one bucket at a time, as soon as it is
-    complete. ``max_grad_norm``: clip by the global 2-norm, as
-    ``torch.nn.utils.clip_grad_norm_`` before the step would; ``skip_nonfinite``: skip a
-    step whose gradients hold an inf or a nan (always, with ``max_grad_norm``). Either
-    makes the steps speculative: each bucket steps as soon as it is complete, and is
-    rolled back exactly and redone with scaled gradients (clipping) or undone (skipped)
-    once the global norm is known; the worker then keeps a pre-step copy of each bucket
-    (12 more bytes per parameter). ``worker_cores`` is :class:`~aoffload.CPUAdam`'s.
+    ``torch.optim.AdamW(fused=True)``), ``"deepspeed"`` (DeepSpeed's CPU Adam, built on
+    first use: a minute or two, logged) or ``"auto"`` (DeepSpeed's op when it is already
+    built and proven, else the torch backend: it never builds, and says which it picked).
+    ``bucket_mb``: the size of a bucket of parameters in MiB of fp32; the worker steps one
+    bucket at a time, as soon as it is complete. ``worker_cores`` is
+    :class:`~aoffload.CPUAdam`'s.
+
+    **Gradients edited before the step** (``clip_grad_norm_``, ``GradScaler``, a hand-made
+    ``p.grad.mul_(...)``) give exactly what ``torch.optim.AdamW(fused=True)`` gives after
+    the same edit (bit for bit with ``backend="torch"``), only slower: the backward has
+    already sent the buckets, so each bucket whose gradients changed is rolled back exactly
+    and stepped again (:attr:`StepReport.redone`), after the backward instead of during it.
+    ``GradScaler`` works through ``scaler.step(opt)`` (a step it finds an inf or a nan in
+    is skipped). The fast path for clipping is ``max_grad_norm``: clip by the global 2-norm
+    as ``clip_grad_norm_`` before the step would, redoing buckets only when the norm is
+    over it. ``skip_nonfinite``: skip a step whose gradients hold an inf or a nan (always,
+    with ``max_grad_norm``). The worker keeps an exact pre-step copy of every bucket for
+    this (12 bytes per parameter, on top of the moments' 8).
 
     Gradient accumulation: run every backward of a step but the last inside
     :meth:`no_sync` (the hooks then let autograd accumulate); the last backward submits.
 
     Memory and devices: every parameter has an fp32 master and an fp32 gradient in shared
     memory, and Adam's two fp32 moments live in the worker. An fp32 CPU parameter (one
-    that is contiguous and alone in its storage) *is* its master from :meth:`start` on:
-    its ``.data`` becomes a view of the worker's shared memory, and so does the
-    ``.grad`` the backward makes, so no copy runs on the trainer's thread; the worker
-    writes it from the moment the backward sends its bucket until the step returns.
-    Other CPU parameters (bf16, fp16) get their new values copied in by the step; CUDA
-    parameters send their gradients through pinned buffers on a side stream and get their
-    values back the same way (the step does not wait for the device). The state
-    (:meth:`state_dict`) has ``torch.optim.AdamW``'s layout and loads into either.
+    that is contiguous and alone in its storage) *is* its master while the worker runs:
+    its ``.data`` becomes a view of the worker's shared memory, and so does the ``.grad``
+    the backward makes, so no copy runs on the trainer's thread; the worker writes it from
+    the moment the backward sends its bucket until the step returns, and closing gives it
+    memory of its own again. Other CPU parameters (bf16, fp16) get their new values copied
+    in by the step; CUDA parameters send their gradients through pinned buffers on a side
+    stream and get their values back the same way (the step does not wait for the device).
+    The state (:meth:`state_dict`) has ``torch.optim.AdamW``'s layout and loads into either.
     """
+
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` calls :meth:`step` itself, with ``found_inf`` and ``grad_scale``
+    set (see :mod:`._step`): an optimizer that has already stepped cannot be skipped by not
+    being called."""
 
     def __init__(
         self,
@@ -159,7 +113,7 @@ class OffloadAdam(torch.optim.Optimizer):
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
     ) -> None:
-        options = _options(
+        options = Options.checked(
             backend,
             bucket_mb,
             max_grad_norm,
@@ -181,12 +135,8 @@ class OffloadAdam(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             config_of(index, group)
         self._offloader = Offloader(self.param_groups, options)
-        self._life = State.NEW
-        self._life_lock = threading.Lock()
-        self._closing: concurrent.futures.Future[None] | None = None
         self._waits = LoopWaits()
-        self._pending: Loaded | None = None  # a state loaded before start
-        self._pending_state: Mapping[str, Any] | None = None
+        self._life = Life(self._offloader, self.param_groups, self._waits)
         self._last: StepReport | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -206,7 +156,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def pid(self) -> int | None:
         """The worker's process id while it runs, else ``None``."""
         core = self._off.core
-        return core.pid if core is not None and self._life is State.RUNNING else None
+        return core.pid if core is not None and self._life.state is State.RUNNING else None
 
     @property
     def backend(self) -> str | None:
@@ -216,7 +166,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @property
     def last_step(self) -> StepReport | None:
-        """What the last finished step did (its gradient norm, clipped, skipped)."""
+        """What the last finished step did (its gradient norm, clipped, skipped, redone)."""
         return self._last
 
     @property
@@ -226,97 +176,39 @@ class OffloadAdam(torch.optim.Optimizer):
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def _begin_start(self) -> None:
-        with self._life_lock:
-            if self._life is not State.NEW:
-                raise ClosedError("this OffloadAdam was already started; create a new one")
-            self._life = State.STARTING
+    def start(self) -> None:
+        """Start the worker and register the buckets; blocking (``with opt:``).
 
-    def _open(self) -> None:
-        pending, self._pending, self._pending_state = self._pending, None, None
-        self._off.start(pending)
+        A closed optimizer starts again with the state it kept. In asyncio code use
+        ``async with opt:`` or ``await opt.astart()``.
+        """
+        self._life.start()
 
-    def _started(self) -> None:
-        self._off.pin()
-        with self._life_lock:
-            self._life = State.RUNNING
+    async def astart(self) -> None:
+        """:meth:`start`, awaited: the start runs on a thread (``async with opt:``).
 
-    async def start(self) -> None:
-        """Start the worker and register the buckets, off the event loop (``async with``)."""
-        self._begin_start()
-        self._waits.bind(asyncio.get_running_loop())
-        try:
-            await run_in_thread(self._open, name="aoffload-offload-adam-start")
-        except BaseException:
-            await self.aclose()
-            raise
-        self._started()
-
-    def open(self) -> None:
-        """Start the worker and register the buckets; blocking (``with opt:``)."""
-        self._begin_start()
-        try:
-            self._open()
-        except BaseException:
-            self.close()
-            raise
-        self._started()
-
-    def _begin_close(self) -> tuple[concurrent.futures.Future[None] | None, bool]:
-        """(the close's future, whether this call runs it); ``None``: nothing to close."""
-        with self._life_lock:
-            if self._life is State.NEW:
-                self._life = State.CLOSED
-                return None, False
-            if self._closing is not None:
-                return self._closing, False
-            self._closing = running_future()
-            self._life = State.CLOSING
-            return self._closing, True
-
-    def _closed(self, closing: concurrent.futures.Future[None]) -> None:
-        with self._life_lock:
-            self._life = State.CLOSED
-        closing.set_result(None)
+        Cancelling the await abandons the wait; the start runs on, and the optimizer is
+        closed when it has ended.
+        """
+        await self._life.astart()
 
     def close(self) -> None:
         """Stop the worker after the steps sent and remove the hooks; blocking, idempotent.
 
-        The parameters keep their last published values; the optimizer state is gone (save
-        :meth:`state_dict` first).
+        The optimizer keeps its state (:meth:`state_dict`, and the next :meth:`start`
+        continues from it); a step begun by a backward and not finished is undone. The
+        parameters keep their last values, in memory of their own.
         """
-        closing, mine = self._begin_close()
-        if closing is None:
-            return
-        if not mine:
-            closing.result()
-            return
-        try:
-            self._off.close()
-        finally:
-            self._off.unpin()
-            self._closed(closing)
+        self._life.close()
 
     async def aclose(self) -> None:
-        """:meth:`close` off the event loop; a cancelled wait still leaves no worker."""
-        closing, mine = self._begin_close()
-        if closing is None:
-            return
-        if not mine:
-            await self._waits.done(closing)
-            return
-        try:
-            await run_in_thread(self._off.close, name="aoffload-offload-adam-close")
-        finally:
-            core = self._off.core
-            if core is not None:
-                core.kill()  # cancelled: never leave the worker behind
-            self._off.unpin()
-            self._closed(closing)
+        """:meth:`close`, awaited: the close runs on a thread. Cancelling the await
+        abandons the wait only: the close runs to its end."""
+        await self._life.aclose()
 
     async def __aenter__(self) -> OffloadAdam:
-        """``await start()``."""
-        await self.start()
+        """``await astart()``."""
+        await self.astart()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -324,22 +216,13 @@ class OffloadAdam(torch.optim.Optimizer):
         await self.aclose()
 
     def __enter__(self) -> OffloadAdam:
-        """``open()``."""
-        self.open()
+        """``start()``."""
+        self.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         """``close()``."""
         self.close()
-
-    def _running_core(self) -> OptimizerCore:
-        core = self._off.core
-        if self._life is not State.RUNNING or core is None:
-            raise ClosedError(
-                f"this OffloadAdam is {self._life.value}; use it inside `async with opt:` or "
-                "`with opt:` (or after start()/open()) and before it is closed"
-            )
-        return core
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -373,23 +256,24 @@ class OffloadAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Finish the step the backward began; block until the parameters are updated.
 
-        Submits the buckets no hook submitted, validates the global gradient norm
-        (clipping or skipping, if asked), waits for every bucket and copies the new values
-        into the parameters. ``closure`` (re-evaluating the loss, with its backward) runs
-        first, as in ``torch.optim``. Returns its loss; :attr:`last_step` says what the
-        step did. Raises :class:`~aoffload.WorkerDiedError` if the worker died (never
-        hangs), :class:`~aoffload.RemoteError` for a failed bucket, and the errors the
-        hooks met (:class:`~aoffload.OptimizerError`), once nothing is in flight.
+        Submits the buckets no hook submitted, redoes those whose gradients changed since
+        they were sent, validates the global gradient norm (clipping or skipping, if
+        asked), waits for every bucket and publishes the new values. ``closure``
+        (re-evaluating the loss, with its backward) runs first, as in ``torch.optim``.
+        Returns its loss; :attr:`last_step` says what the step did. Raises
+        :class:`~aoffload.WorkerDiedError` if the worker died (never hangs),
+        :class:`~aoffload.RemoteError` for a failed bucket, and the errors the hooks met
+        (:class:`~aoffload.OptimizerError`), once nothing is in flight.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        outcomes = self._running_core().outcomes
+        outcomes = self._life.running_core().outcomes
         unfinished = self._take_unfinished()
         if unfinished is not None:
             unfinished.result()  # the step a cancelled astep() left: its error is raised here
-        self._last = _drive(outcomes, step_flow(self._off))
+        self._last = drive(outcomes, step_flow(self._off, Amp.of(self)))
         return loss
 
     async def astep(self) -> StepReport:
@@ -405,48 +289,20 @@ class OffloadAdam(torch.optim.Optimizer):
         parameters that the worker is still writing (or, for copied ones, their values
         of before the step).
         """
-        outcomes = self._running_core().outcomes
+        outcomes = self._life.running_core().outcomes
         unfinished = self._take_unfinished()
         if unfinished is not None:
             await self._waits.done(unfinished)
             unfinished.result()
-        flow = step_flow(self._off)
-        need: object = None
-        cancelled = False
-        try:
-            need = next(flow)
-            while True:
-                try:
-                    if need is OUTCOMES:
-                        await self._waits.until(outcomes, outcomes.has_next)
-                    elif isinstance(need, concurrent.futures.Future):
-                        await self._waits.done(need)
-                except asyncio.CancelledError:
-                    if cancelled:
-                        self._finish_later(outcomes, flow, need)
-                        raise
-                    cancelled = True  # finish the step, then raise
-                    continue
-                need = flow.send(None)
-        except StopIteration as stop:
-            report: StepReport = stop.value
+        flow = step_flow(self._off, Amp.of(self))
+        return await adrive(self._waits, outcomes, flow, self._finished, self._abandoned)
+
+    def _finished(self, report: StepReport) -> None:
         self._last = report
         self._opt_called = True  # what torch's LR schedulers check to know a step ran
-        if cancelled:
-            raise asyncio.CancelledError
-        return report
 
-    def _finish_later(self, outcomes: Outcomes, flow: Flow, need: object) -> None:
-        done: concurrent.futures.Future[object] = running_future()
-
-        def finish() -> None:
-            try:
-                done.set_result(_drive(outcomes, flow, need))
-            except BaseException as exc:  # noqa: BLE001 - raised by the next step
-                done.set_exception(exc)
-
-        self._off.unfinished = done
-        threading.Thread(target=finish, name="aoffload-offload-adam-step", daemon=True).start()
+    def _abandoned(self, unfinished: concurrent.futures.Future[StepReport]) -> None:
+        self._off.unfinished = unfinished  # type: ignore[assignment]
 
     # -- param groups --------------------------------------------------------------------
 
@@ -460,12 +316,15 @@ class OffloadAdam(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         try:
             config_of(index, self.param_groups[index])
-            if self._life not in (State.NEW, State.RUNNING):
-                raise ClosedError("this OffloadAdam is closed")
+            state = self._life.state
+            if state not in (State.NEW, State.RUNNING, State.CLOSED):
+                raise ClosedError(f"this OffloadAdam is {state.value}")
             offloader.add_group(index)
         except BaseException:
             self.param_groups.pop()
             raise
+        if state is not State.RUNNING:
+            self._life.added_group(self.param_groups[index])
 
     # -- state ---------------------------------------------------------------------------
 
@@ -476,44 +335,35 @@ class OffloadAdam(torch.optim.Optimizer):
                 "astep() returned): call it between steps"
             )
 
-    def _unstarted_state(self) -> dict[str, Any]:
-        saved = self._pending_state
-        return {
-            "state": dict(saved["state"]) if saved is not None else {},
-            "param_groups": packed_groups(self.param_groups),
-            "offload": (
-                saved.get("offload")
-                if saved is not None and saved.get("offload") is not None
-                else {"format": FORMAT, "backend": None, "kernel": None}
-            ),
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        """The state in ``torch.optim.AdamW``'s layout (see :mod:`._offload_state`); blocking.
+        """The state in ``torch.optim.AdamW``'s layout (see :mod:`._state`); blocking.
 
         Covers every step finished; call it between steps. The moments are views of
-        memory you own (later steps never change them). Before start: the state loaded
-        (or none); after close: :class:`~aoffload.ClosedError`.
+        memory you own (later steps never change them). Outside its block (before the
+        first start, after a close) it is the state kept (or loaded), without a worker.
         """
-        if self._life is State.NEW:
-            return self._unstarted_state()
-        core = self._running_core()
+        kept = self._life.kept_state()
+        if kept is not None:
+            return kept
+        core = self._life.running_core()
         self._check_between_steps("state_dict()")
         return to_torch(core.state_dict().result(), self._off.buckets, self.param_groups)
 
     async def astate_dict(self) -> dict[str, Any]:
         """:meth:`state_dict`, awaited: the snapshot is taken by the worker, off the loop."""
-        if self._life is State.NEW:
-            return self._unstarted_state()
-        core = self._running_core()
+        kept = self._life.kept_state()
+        if kept is not None:
+            return kept
+        core = self._life.running_core()
         self._check_between_steps("astate_dict()")
         core_state = await self._waits.result(core.state_dict())
         return to_torch(core_state, self._off.buckets, self.param_groups)
 
     def _validate(self, state_dict: Mapping[str, Any]) -> Loaded:
-        if self._life not in (State.NEW, State.RUNNING):
-            raise ClosedError(f"this OffloadAdam is {self._life.value}")
-        if self._life is State.RUNNING:
+        state = self._life.state
+        if state not in (State.NEW, State.RUNNING, State.CLOSED):
+            raise ClosedError(f"this OffloadAdam is {state.value}")
+        if state is State.RUNNING:
             self._check_between_steps("load_state_dict()")
         return from_torch(state_dict, self._off.buckets, self.param_groups)
 
@@ -522,23 +372,23 @@ class OffloadAdam(torch.optim.Optimizer):
 
         Everything is checked first (:class:`~aoffload.OptimizerError`, nothing changed).
         The next step is bit-identical to the saved optimizer's (on the same backend).
-        Before start, the state is kept and loaded when the worker starts. The groups'
-        hyper-parameters are replaced, as ``torch.optim`` does.
+        Outside its block, the state is kept and loaded when the worker starts. The
+        groups' hyper-parameters are replaced, as ``torch.optim`` does.
         """
         loaded = self._validate(state_dict)
-        if self._life is State.NEW:
-            self._pending, self._pending_state = loaded, state_dict
-        else:
+        if self._life.state is State.RUNNING:
             self._off.load(loaded)
+        else:
+            self._life.keep(loaded, state_dict)
         self._off.apply_groups(loaded)
 
     async def aload_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """:meth:`load_state_dict`, awaited: the worker loads the state off the loop."""
         loaded = self._validate(state_dict)
-        if self._life is State.NEW:
-            self._pending, self._pending_state = loaded, state_dict
-        else:
-            core = self._running_core()
+        if self._life.state is State.RUNNING:
+            core = self._life.running_core()
             await self._waits.result(core.load_state_dict(loaded.core_state))
             self._off.loaded(loaded)
+        else:
+            self._life.keep(loaded, state_dict)
         self._off.apply_groups(loaded)
