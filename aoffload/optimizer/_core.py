@@ -34,7 +34,7 @@ from ._results import Outcomes, Pending, StepKind, StepResult
 from ._state import StateTransfer, parse
 from ._subgroups import Registry, SubGroup, check_registered, share, valid_lr, validate
 from .worker import TARGET
-from .worker._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Step
+from .worker._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Settle, Step
 
 __all__ = ["OptimizerCore"]
 
@@ -274,13 +274,21 @@ class OptimizerCore:
     def hurry(self) -> None:
         """Tell the worker that the trainer now waits for the steps it sent (OffloadAdam's
         worker then steps them on every core); from any thread, never blocks."""
+        self._tell(Hurry())
+
+    def settle(self) -> None:
+        """Tell the worker that every step sent is final (OffloadAdam's worker then copies
+        the moments for the next step's backup in the background); never blocks."""
+        self._tell(Settle())
+
+    def _tell(self, call: Hurry | Settle) -> None:
         worker = self.check_running()
 
         def answered(_: object, error: BaseException | None) -> None:  # the reader thread
             if error is not None:
-                logger.warning("the CPU Adam worker could not take a Hurry: %s", error)
+                logger.warning("the CPU Adam worker could not take a %s: %s", call, error)
 
-        worker.submit_callback(Hurry(), answered)
+        worker.submit_callback(call, answered)
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> concurrent.futures.Future[None]:
         """Replace the groups' hyper-parameters (or add groups) for the steps sent after this;

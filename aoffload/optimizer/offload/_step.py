@@ -198,6 +198,8 @@ def step_flow(off: Offloader, amp: Amp | None = None) -> Flow:
         off.links.finish()
     if verdict is None:
         return StepReport(None, False, False)
+    if not verdict.report.skipped:
+        core.settle()  # the worker keeps the moments for the next backup meanwhile
     return dataclasses.replace(verdict.report, redone=redone)
 
 

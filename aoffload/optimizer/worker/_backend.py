@@ -10,8 +10,9 @@ exact backups; a backend adds its math (``step``, ``rollback``) and its kernel s
 **Exact backups** (:class:`Backup`): a pre-step copy of a sub-group's parameter and both
 moments, restored bit for bit by a rollback. The parameter is copied before every step (the
 trainer may change it between steps); the moments only when the backup does not hold them
-already: after a rollback they are the backup's again, so a redo copies the parameter
-alone.
+already: after a rollback they are the backup's again, and once the trainer says a step is
+final (``Settle``) they are copied in the background, while the trainer runs its next
+forward, so the next step's backup copies the parameter alone.
 """
 
 from __future__ import annotations
@@ -167,6 +168,16 @@ class SubGroupBackend:
         if state.exp_avg is not None and state.exp_avg_sq is not None:
             copy_into(backup.exp_avg, state.exp_avg)
             copy_into(backup.exp_avg_sq, state.exp_avg_sq)
+
+    def keep_moments(self, key: Key, backup: Backup) -> None:
+        """The last step is final: copy the moments into ``backup`` ahead of the next step
+        (which then copies the parameter alone); nothing is left to roll back."""
+        state = self.subgroups[key]
+        backup.step = state.step
+        if state.exp_avg is not None and state.exp_avg_sq is not None:
+            copy_into(backup.exp_avg, state.exp_avg)
+            copy_into(backup.exp_avg_sq, state.exp_avg_sq)
+        backup.valid, backup.moments = False, True
 
     def restore(self, key: Key, backup: Backup) -> int:
         """Put ``backup`` back, bit for bit; the step count."""

@@ -31,6 +31,7 @@ __all__ = [
     "Register",
     "Release",
     "SetGroups",
+    "Settle",
     "Snapshot",
     "StateInfo",
     "Step",
@@ -122,6 +123,15 @@ class SetGroups(Call[None]):
 class Hurry(Call[None]):
     """Trainer -> worker: the trainer now waits for the steps it sent (the backward is over):
     step them on every core (see ``_stepper``). Answered at once."""
+
+    plain = True
+
+
+@dataclass(frozen=True, slots=True)
+class Settle(Call[None]):
+    """Trainer -> worker: every step sent is final (none will be rolled back): keep a copy
+    of each sub-group's moments now, in the background, so that the next step's exact
+    backup copies the parameter alone (see ``_backend``)."""
 
     plain = True
 

@@ -33,6 +33,7 @@ from ._calls import (
     Register,
     Release,
     SetGroups,
+    Settle,
     Snapshot,
     StateInfo,
     Step,
@@ -101,10 +102,28 @@ class AdamService(Service):
         }
         stepper = self._stepper
         if stepper is None:
-            return {Step: self._step, Hurry: _nothing, **others}
+            return {Step: self._step, Hurry: _nothing, Settle: self._settle, **others}
         # Any other call runs once the steps sent before it have ended.
         after = {kind: _after(stepper, handle) for kind, handle in others.items()}
-        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), **after}
+        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), Settle: self._settle, **after}
+
+    def _settle(self, request: Settle) -> None:
+        """Copy every sub-group's moments into its backup, behind its steps sent (on the
+        stepping threads while the trainer runs its next forward)."""
+        for key, backup in self._backups.items():
+            if backup.moments:
+                continue
+            keep = functools.partial(self._keep_moments, key, backup)
+            if self._stepper is None:
+                keep()
+            else:
+                self._stepper.submit(key, keep)
+
+    def _keep_moments(self, key: tuple[int, int], backup: Backup) -> None:
+        try:
+            self._backend.keep_moments(key, backup)
+        except Exception:  # the next step copies them itself
+            logger.exception("could not copy the moments of sub-group %s ahead of its step", key)
 
     def _submit(self, request: Step) -> concurrent.futures.Future[Done]:
         if self._stepper is None:
