@@ -30,6 +30,7 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
+from ._builds import startup_timeout, tell_fallback
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._state import StateTransfer, parse
 from ._subgroups import Registry, SubGroup, check_registered, share, valid_lr, validate
@@ -131,22 +132,15 @@ class OptimizerCore:
         try:
             worker.ready.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise worker.startup_timeout(timeout) from None
+            building = startup_timeout(timeout, self._requested_backend, worker.pid)
+            raise (building or worker.startup_timeout(timeout)) from None
         info = worker.request(GetInfo())
         self.info = info
         self.backend = info.backend
-        logger.info(
-            "CPUAdam worker (pid %s): %s backend%s, %d threads, worker cores %s, trainer cores %s",
-            worker.pid,
-            info.backend,
-            ""
-            if info.op_library is None
-            else f" (op {info.op_library}, DeepSpeed "
-            f"{'imported' if info.deepspeed_imported else 'not imported'})",
-            info.threads,
-            "unpinned" if info.cores is None else list(info.cores),
-            split.trainer if split.worker is not None else "unpinned",
-        )
+        if info.fallback is not None:
+            tell_fallback(info.fallback)
+        trainer = split.trainer if split.worker is not None else "unpinned"
+        logger.info("CPUAdam worker (pid %s): %s, trainer cores %s", worker.pid, info, trainer)
 
     def pin(self) -> None:
         """Pin the trainer to its side of the CPU split (none unless asked); on its thread."""

@@ -89,6 +89,17 @@ class Info:
     cores: tuple[int, ...] | None
     op_library: str | None = None
     deepspeed_imported: bool = False
+    fallback: str | None = None
+    """Why ``backend="auto"`` runs the torch backend (``None``: it was not asked to choose,
+    or DeepSpeed's op loaded)."""
+
+    def __str__(self) -> str:
+        op = ""
+        if self.op_library is not None:
+            imported = "imported" if self.deepspeed_imported else "not imported"
+            op = f" (op {self.op_library}, DeepSpeed {imported})"
+        cores = "unpinned" if self.cores is None else list(self.cores)
+        return f"{self.backend} backend{op}, {self.threads} threads, worker cores {cores}"
 
 
 @dataclass(frozen=True, slots=True)

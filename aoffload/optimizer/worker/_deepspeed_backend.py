@@ -33,7 +33,8 @@ _op_ids = itertools.count(_FIRST_OP_ID)
 class DeepSpeedBackend(SubGroupBackend):
     """DeepSpeed's CPU Adam op, driven with exactly the calls of ``DeepSpeedCPUAdam``.
 
-    The op comes from :func:`._deepspeed_op.load_cpu_adam` (its build, or DeepSpeed). It is
+    The op comes from :func:`._deepspeed_op.load_cpu_adam` (its build, or DeepSpeed, which
+    builds it with ``build``). It is
     created as ``DeepSpeedCPUAdam.__init__`` creates it (AdamW mode, the first group's
     hyper-parameters, DeepSpeed's default log level) and stepped and rolled back as its
     ``step_subgroup`` and ``rollback_subgroup`` do (state initialised with zeros, the step
@@ -49,9 +50,9 @@ class DeepSpeedBackend(SubGroupBackend):
 
     name = "deepspeed"
 
-    def __init__(self, groups: tuple[GroupConfig, ...]) -> None:
+    def __init__(self, groups: tuple[GroupConfig, ...], *, build: bool) -> None:
         super().__init__(groups)
-        self.op = load_cpu_adam()
+        self.op = load_cpu_adam(build=build)  # without build: OpUnavailable, or the op
         self._ops: Any = self.op.module
         self._id = next(_op_ids)
         first = groups[0]

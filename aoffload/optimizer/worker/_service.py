@@ -58,6 +58,7 @@ class AdamService(Service):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self._cores = config.cores
+        self._fallback: str | None = None
         self._backend = self._make_backend(config)
         # The torch backend steps sub-groups side by side, one core each (see _stepper);
         # DeepSpeed's op keeps state across calls and steps one sub-group at a time.
@@ -77,16 +78,18 @@ class AdamService(Service):
             "inherited" if config.cores is None else list(config.cores),
         )
 
-    @staticmethod
-    def _make_backend(config: AdamConfig) -> SubGroupBackend:
+    def _make_backend(self, config: AdamConfig) -> SubGroupBackend:
+        """The backend asked for; ``"auto"``: DeepSpeed's op if it loads without a build,
+        else the torch backend, and :attr:`_fallback` says why."""
         if config.backend == "torch":
             return TorchBackend(config.groups)
         if config.backend == "deepspeed":
-            return DeepSpeedBackend(config.groups)
+            return DeepSpeedBackend(config.groups, build=True)
         try:
-            return DeepSpeedBackend(config.groups)
-        except Exception as exc:  # noqa: BLE001 - "auto" falls back, and says why
-            logger.info("DeepSpeed's CPU Adam is unavailable (%s); using the torch backend", exc)
+            return DeepSpeedBackend(config.groups, build=False)
+        except Exception as exc:
+            self._fallback = str(exc)
+            logger.debug("backend 'auto': the torch backend, as %s", exc, exc_info=True)
             return TorchBackend(config.groups)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
@@ -222,6 +225,7 @@ class AdamService(Service):
             self._cores,
             op_library=library,
             deepspeed_imported="deepspeed" in sys.modules,
+            fallback=self._fallback,
         )
 
     def _step(self, request: Step) -> Done:
