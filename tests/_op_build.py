@@ -11,14 +11,14 @@ import pytest
 
 from aoffload import CPUAdam
 from aoffload.optimizer.worker._deepspeed_op import build_directory
-from aoffload.optimizer.worker._deepspeed_stamp import STAMP
+from aoffload.optimizer.worker._deepspeed_stamp import STAMP, stamp_mismatch
 
 
 def built_op() -> str:
-    """The build directory of DeepSpeed's op in this environment, built (by a worker loading it
-    through DeepSpeed) if it was not."""
+    """The build directory of DeepSpeed's op in this environment, built and stamped (by a
+    worker loading it through DeepSpeed) if it was not."""
     directory = build_directory()
-    if not os.path.exists(os.path.join(directory, "cpu_adam.so")):
+    if stamp_mismatch(directory) is not None:
 
         async def start() -> None:
             async with CPUAdam([{"lr": 0.1}], backend="deepspeed", worker_cores=None):

@@ -107,7 +107,8 @@ async def test_bit_identical_to_deepspeed(
         assert torch.equal(params[sg], superoffload_expected[sg]), sg
 
 
-async def test_auto_picks_deepspeed_and_exact_rollback_restores_bytes() -> None:
+async def test_auto_picks_deepspeed_and_exact_rollback_restores_bytes(built: str) -> None:
+    """``built``: a worker has loaded (and stamped) the op, which "auto" then takes."""
     async with CPUAdam(sched.GROUPS, exact_rollback=True, worker_cores=None) as opt:
         assert opt.backend == "deepspeed"
         await steps_then_rollback(opt, exact_check=True)
