@@ -20,7 +20,7 @@ other, each also alone.
 The control for OffloadAdam's own cost: the same overlap inside the trainer's process,
 each parameter stepped by the same kernel on a thread as its gradient arrives, scheduled as
 the worker schedules its steps (a stepping thread per torch thread, all but one while the
-backward runs, all after: the worker's own :class:`~aoffload.optimizer._stepper.Stepper`),
+backward runs, all after: the worker's own :class:`~aoffload.optimizer.worker._stepper.Stepper`),
 with no process, pipe or shared memory. What it misses of the ideal, OffloadAdam cannot make
 up.
 
@@ -166,7 +166,7 @@ def _paced_in_process(adam: list[float] | None) -> Step:
 def _paced_thread(stack: contextlib.AsyncExitStack) -> Step:
     """The overlap without a worker: a post-accumulate-grad hook hands each parameter's
     fused AdamW step to the worker's own scheduler, in this process."""
-    from aoffload.optimizer._stepper import Stepper
+    from aoffload.optimizer.worker._stepper import Stepper
 
     model = _PacedModel()
     stepper = Stepper(torch.get_num_threads())  # as many as the worker's (see _service)

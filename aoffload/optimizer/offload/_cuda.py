@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._runtime.threads import DaemonThreadExecutor
+from ..._runtime.threads import DaemonThreadExecutor
 from ._buckets import Bucket
 
 __all__ = ["CudaLinks"]
@@ -109,21 +109,6 @@ class CudaLinks:
     def read(self, bucket: Bucket, positions: list[int]) -> list[torch.Tensor]:
         """The parameters at ``positions`` on the host (to resync the master)."""
         return [bucket.params[i].detach().to("cpu") for i in positions]
-
-    def fill_missing(self, bucket: Bucket) -> None:
-        """Take the gradients no hook delivered, on the step's thread (blocking copies)."""
-        views = bucket.grad_views
-        for position, param in enumerate(bucket.params):
-            if bucket.arrived[position]:
-                continue
-            grad = param.grad
-            if grad is None:
-                views[position].zero_()
-            else:
-                views[position].copy_(grad.detach().to("cpu"))
-                bucket.has_grad[position] = True
-            bucket.arrived[position] = True
-        bucket.missing = 0
 
     def publish(self, bucket: Bucket) -> None:
         """Upload the stepped master into the model's parameters on the side stream."""

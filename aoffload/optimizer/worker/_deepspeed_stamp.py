@@ -1,5 +1,4 @@
-"""DeepSpeed's CPU Adam op for the optimizer's worker: from its build when that is provably the
-op DeepSpeed would load, else through DeepSpeed (worker side).
+"""The proof that a build of DeepSpeed's CPU Adam op is the op DeepSpeed would load (worker side).
 
 Loading the op through DeepSpeed costs a worker about a second before its first step: the
 import of DeepSpeed (with its accelerator detection), py-cpuinfo's fresh interpreter (asked
@@ -24,10 +23,9 @@ runs ninja and imports the library. After a worker has loaded the op that way, i
   that make DeepSpeed pick another accelerator (and with it another builder).
 
 A later worker reads the stamp and, if every item still holds, imports the library the way
-torch does, without DeepSpeed. Anything else (no stamp, a difference, a build in progress, a
-failed import) is logged at DEBUG and the op is loaded through DeepSpeed, which rebuilds it
-if it must; the stamp is then written afresh. What stays unproven: a file changed between
-ninja's run and the stamp, or between the check and the import (torch races the same way).
+torch does, without DeepSpeed (:mod:`._deepspeed_op`). What stays unproven: a file changed
+between ninja's run and the stamp, or between the check and the import (torch races the
+same way).
 """
 
 from __future__ import annotations
@@ -39,14 +37,13 @@ import os
 import shutil
 import struct
 import sys
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["ENVIRONMENT", "REVIEWED", "STAMP", "OpLoad", "build_directory", "load_cpu_adam"]
+__all__ = ["ENVIRONMENT", "NAME", "REVIEWED", "STAMP", "stamp_mismatch", "file_stat", "write_stamp"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +60,8 @@ ENVIRONMENT = ("DS_ACCELERATOR", "CXX")
 """Variables that change the op's build arguments or its ``build.ninja``."""
 
 _FORMAT = 1
-_NAME = "cpu_adam"
+NAME = "cpu_adam"
+"""The op's name, its build directory's and its library's."""
 _BUILDER = "deepspeed.ops.op_builder.cpu.cpu_adam"
 _ACCELERATORS = (None, "cpu", "cuda")  # DS_ACCELERATOR values that keep that builder
 _ACCELERATOR_PACKAGES = (
@@ -72,82 +70,7 @@ _ACCELERATOR_PACKAGES = (
 _DEEPSPEED_CODE = ("ops/op_builder", "accelerator")  # every .py below: the build's decisions
 _DEEPSPEED_FILES = ("git_version_info.py", "git_version_info_installed.py", "ops/adam/cpu_adam.py")
 _TORCH_FILES = ("version.py", "utils/cpp_extension.py")
-_BUILD_FILES = ("build.ninja", ".ninja_log", ".ninja_deps", f"{_NAME}.so")
-
-
-@dataclass(frozen=True, slots=True)
-class OpLoad:
-    """The loaded op (its Python module) and its library's path."""
-
-    module: Any
-    library: str
-
-
-def load_cpu_adam() -> OpLoad:
-    """DeepSpeed's CPU Adam op: from its stamped build if that provably is the op DeepSpeed
-    would load, else through DeepSpeed (then stamped)."""
-    directory = build_directory()
-    reason = _stamp_mismatch(directory)
-    if reason is None:
-        library = os.path.join(directory, f"{_NAME}.so")
-        try:
-            module = _import_library(library)
-        except Exception as exc:  # noqa: BLE001 - DeepSpeed loads it instead, and says why
-            reason = f"importing {library} failed ({type(exc).__name__}: {exc})"
-        else:
-            logger.debug("CPU Adam op loaded from %s, without DeepSpeed (%s holds)", library, STAMP)
-            return OpLoad(module, library)
-    logger.debug("loading the CPU Adam op through DeepSpeed: %s", reason)
-    return _load_through_deepspeed(directory)
-
-
-def build_directory() -> str:
-    """The directory torch's ``load()`` builds DeepSpeed's ``cpu_adam`` in (as torch names it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        import torch._appdirs
-
-        cache = torch._appdirs.user_cache_dir(appname="torch_extensions")  # type: ignore[no-untyped-call]
-        root = os.path.realpath(cache)
-        if torch.version.hip is not None:
-            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-        elif torch.version.cuda is not None:
-            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-        else:
-            accelerator = "cpu"
-        python = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}"
-        root = os.path.join(root, f"{python}_{accelerator}")
-    return os.path.join(root, _NAME)
-
-
-def _import_library(library: str) -> ModuleType:
-    # As torch.utils.cpp_extension._import_module_from_library: a module named for its
-    # PyInit function, not registered in sys.modules.
-    spec = importlib.util.spec_from_file_location(_NAME, library)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no extension loader for {library}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _load_through_deepspeed(directory: str) -> OpLoad:
-    from ._deepspeed_start import prepare_deepspeed
-
-    prepare_deepspeed()
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-
-    builder = CPUAdamBuilder()
-    module = builder.load()
-    library = str(getattr(module, "__file__", ""))
-    try:
-        _write_stamp(directory, builder, library)
-    except Exception as exc:  # the op is loaded; only the next start is slower
-        logger.debug("no %s written in %s: %s", STAMP, directory, exc, exc_info=True)
-    return OpLoad(module, library)
-
-
-# -- the stamp ---------------------------------------------------------------------------------
+_BUILD_FILES = ("build.ninja", ".ninja_log", ".ninja_deps", f"{NAME}.so")
 
 
 def _facts(deepspeed_origin: str) -> dict[str, Any]:
@@ -163,7 +86,7 @@ def _facts(deepspeed_origin: str) -> dict[str, Any]:
     }
 
 
-def _stamp_mismatch(directory: str) -> str | None:
+def stamp_mismatch(directory: str) -> str | None:
     """Why the stamp in ``directory`` does not prove its library is DeepSpeed's op; ``None``
     if it does."""
     try:
@@ -189,13 +112,13 @@ def _stamp_mismatch(directory: str) -> str | None:
     for key, value in now.items():
         if stamp.get(key) != value:
             return f"{key} differs from the stamp's ({value!r}, stamped {stamp.get(key)!r})"
-    if stamp.get("library") != os.path.join(directory, f"{_NAME}.so"):
+    if stamp.get("library") != os.path.join(directory, f"{NAME}.so"):
         return f"the stamp names another library ({stamp.get('library')!r})"
     files = stamp.get("files")
     if not isinstance(files, dict) or not files:
         return "the stamp lists no files"
     for path, recorded in files.items():
-        if _stat(path) != recorded:
+        if file_stat(path) != recorded:
             return f"{path} changed since the stamp"
     return None
 
@@ -218,16 +141,16 @@ def _other_accelerator() -> str | None:
     return None
 
 
-def _write_stamp(directory: str, builder: Any, library: str) -> None:
+def write_stamp(directory: str, builder: Any, library: str) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
-    expected = os.path.join(directory, f"{_NAME}.so")
+    expected = os.path.join(directory, f"{NAME}.so")
     accelerator = get_accelerator()._name
     if library != expected:
         raise ValueError(f"DeepSpeed loaded {library!r}, not a JIT build at {expected!r}")
-    if installed_ops.get(_NAME, False):
+    if installed_ops.get(NAME, False):
         raise ValueError("DeepSpeed has a prebuilt op")
     if type(builder).__module__ != _BUILDER or accelerator not in _ACCELERATORS:
         raise ValueError(f"accelerator {accelerator!r} built it with {type(builder)!r}")
@@ -251,12 +174,10 @@ def _write_stamp(directory: str, builder: Any, library: str) -> None:
         "deepspeed": deepspeed.__version__,
         "accelerator": accelerator,
         "library": library,
-        "files": {path: _stat(path) for path in dict.fromkeys(paths)},
+        "files": {path: file_stat(path) for path in dict.fromkeys(paths)},
     }
     if not stamp["cpu"]:
         raise ValueError("the CPU is unknown (no /proc/cpuinfo)")
-    import tempfile
-
     fd, temporary = tempfile.mkstemp(prefix=f".{STAMP}.", dir=directory)
     try:
         with os.fdopen(fd, "w") as file:
@@ -270,7 +191,7 @@ def _write_stamp(directory: str, builder: Any, library: str) -> None:
     logger.debug("%s written in %s", STAMP, directory)
 
 
-def _stat(path: str) -> list[int] | None:
+def file_stat(path: str) -> list[int] | None:
     try:
         status = os.stat(path)
     except OSError:

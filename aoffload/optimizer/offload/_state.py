@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from .._errors import OptimizerError
+from ..._errors import OptimizerError
+from .._state import FORMAT as CORE_FORMAT
+from .._subgroups import group_config
+from ..worker._calls import GroupConfig
 from ._buckets import Bucket
-from ._calls import GroupConfig
-from ._state import FORMAT as CORE_FORMAT
-from ._subgroups import group_config
 
 __all__ = ["FORMAT", "Loaded", "config_of", "from_torch", "packed_groups", "to_torch"]
 
@@ -47,17 +47,6 @@ def config_of(index: int, group: Mapping[str, Any]) -> GroupConfig:
     if isinstance(lr, torch.Tensor):
         values["lr"] = float(lr)
     return group_config(index, values)
-
-
-def _group_dict(config: GroupConfig) -> dict[str, Any]:
-    return {
-        "lr": config.lr,
-        "betas": (config.beta1, config.beta2),
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-        "amsgrad": False,
-        "bias_correction": config.bias_correction,
-    }
 
 
 def packed_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -208,7 +197,7 @@ def from_torch(
     kernel = offload.get("kernel") if isinstance(offload, Mapping) else None
     core_state = {
         "format": CORE_FORMAT,
-        "param_groups": [_group_dict(config) for config in configs],
+        "param_groups": [config.as_dict() for config in configs],
         "state": core,
         "kernel": kernel,
     }

@@ -38,14 +38,13 @@ master already is); the master takes its value (:meth:`Bucket.resync`).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
+from ..._errors import ClosedError, OptimizerError
 
-__all__ = ["ALIGN", "Bucket", "aligned", "can_reside", "copy_into"]
+__all__ = ["ALIGN", "Bucket", "aligned", "can_reside"]
 
 ALIGN = 16
 """Elements: every parameter's view starts on a 64-byte boundary of the flat buffers."""
@@ -72,24 +71,6 @@ def can_reside(param: torch.Tensor) -> bool:
     )
 
 
-def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)``; a plain contiguous CPU source of ``target``'s dtype is one
-    ``memmove``, without the GIL and without torch's intra-op threads: on cores the
-    worker's threads share, a parallel copy waits for a preempted thread at every step."""
-    if (
-        source.device.type == "cpu"
-        and source.dtype == target.dtype
-        and source.layout == torch.strided
-        and source.is_contiguous()
-        and target.is_contiguous()
-        and source.numel() == target.numel()
-        and not (source.is_conj() or source.is_neg())
-    ):
-        ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
-    else:
-        target.copy_(source)
-
-
 def _shared(numel: int) -> torch.Tensor:
     tensor = torch.empty(numel, dtype=torch.float32)
     tensor.share_memory_()  # type: ignore[no-untyped-call]
@@ -99,9 +80,9 @@ def _shared(numel: int) -> torch.Tensor:
 class Bucket:
     """One sub-group: its parameters, their place in the flat buffers, and this step's state.
 
-    The per-step fields (``arrived``, ``has_grad``, ``norms``, ``submitted``, ``phase``) are
-    changed under the offloader's lock by the threads that run the backward's hooks, and by
-    the step's thread once the backward is over.
+    The per-step fields (``arrived``, ``has_grad``, ``norms``, ``submitted``, ``sent``,
+    ``due``) are changed under the offloader's lock by the threads that run the backward's
+    hooks, and by the step's thread once the backward is over (see :mod:`._grads`).
     """
 
     __slots__ = (
@@ -111,6 +92,7 @@ class Bucket:
         "copied_views",
         "device",
         "dtype",
+        "due",
         "grad",
         "grad_ptrs",
         "grad_views",
@@ -126,10 +108,10 @@ class Bucket:
         "norms",
         "offsets",
         "params",
-        "phase",
         "ptrs",
         "resident",
         "resident_params",
+        "sent",
         "submitted",
         "versions",
     )
@@ -160,7 +142,8 @@ class Bucket:
         self.norms: list[torch.Tensor | None] = []
         self.missing = 0
         self.submitted = False
-        self.phase = 0
+        self.sent: list[tuple[int, int] | None] = []  # each gradient as sent: (where, version)
+        self.due = 0  # steps sent this step whose outcome has not come back
         self.lr = 0.0  # the learning rate of this step's submit (a redo uses it again)
 
     @property
@@ -207,40 +190,17 @@ class Bucket:
         if grad is not None:
             if grad.is_sparse:
                 raise OptimizerError("OffloadAdam does not support sparse gradients")
-            view = self._grad_view(position)
+            view = self.grad_view(position)
             view.copy_(grad)
             param.grad = view
 
-    def _grad_view(self, position: int) -> torch.Tensor:
+    def grad_view(self, position: int) -> torch.Tensor:
         """A new view of parameter ``position``'s shared gradient (autograd may take it as
         ``.grad`` without a copy only if nothing else holds it)."""
         if self.grad is None:
             raise ClosedError("OffloadAdam was closed during the backward")
         offset, param = self.offsets[position], self.params[position]
         return self.grad[offset : offset + param.numel()].view(param.shape)
-
-    def first_grad(self, position: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """A gradient accumulator's pre-hook (the backward's thread): a resident parameter
-        with no ``.grad`` gets this gradient written into the shared grad, and that view
-        instead (autograd keeps it as ``.grad``). ``None``: leave the gradient alone (an
-        accumulation, a layout the view cannot take, a bucket already sent: then a shared
-        ``.grad`` is let go, so that the late gradient cannot change what the worker reads)."""
-        param = self.params[position]
-        current = param.grad
-        if self.submitted:
-            if current is not None and current.data_ptr() == self.grad_ptrs[position]:
-                param.grad = None  # a late gradient must not change what the worker reads
-            return None
-        if (
-            not self.resident[position]
-            or current is not None
-            or grad.layout != torch.strided
-            or not grad.is_contiguous()
-        ):
-            return None
-        view = self._grad_view(position)
-        copy_into(view, grad)
-        return view
 
     def _sort(self) -> None:
         self.resident_params = [p for p, r in zip(self.params, self.resident, strict=True) if r]
@@ -287,7 +247,8 @@ class Bucket:
         self.norms = [None] * count
         self.missing = count
         self.submitted = False
-        self.phase = 0
+        self.sent = [None] * count
+        self.due = 0
 
     def arrive(self, position: int) -> bool:
         """Parameter ``position``'s gradient is in; whether that completes the bucket."""
@@ -296,50 +257,6 @@ class Bucket:
             self.has_grad[position] = True
             self.missing -= 1
         return self.missing == 0
-
-    def take_grad(self, position: int, grad: torch.Tensor) -> None:
-        """Have a CPU parameter's gradient in the shared grad (fp32), on this thread: a
-        resident parameter's usually is already (see :meth:`first_grad`), else a copy."""
-        if grad.data_ptr() == self.grad_ptrs[position]:
-            return
-        if grad.is_sparse:
-            raise OptimizerError("OffloadAdam does not support sparse gradients")
-        copy_into(self.grad_views[position], grad)
-
-    def fill_missing(self) -> None:
-        """Take the gradients no hook delivered (set by hand, or none: zeros) for a CPU bucket."""
-        for position, param in enumerate(self.params):
-            if self.arrived[position]:
-                continue
-            grad = param.grad
-            if grad is None:
-                self.grad_views[position].zero_()  # stepped with a zero gradient
-            else:
-                self.take_grad(position, grad)
-                self.has_grad[position] = True
-            self.arrived[position] = True
-        self.missing = 0
-
-    def let_go(self) -> None:
-        """Set the shared gradients of resident parameters to ``None`` (``zero_grad`` while
-        the worker may read them: they must not be zeroed under it)."""
-        for position, param in enumerate(self.params):
-            grad = param.grad
-            if grad is not None and grad.data_ptr() == self.grad_ptrs[position]:
-                param.grad = None
-
-    def compute_norms(self) -> None:
-        """Each delivered gradient's 2-norm, as ``clip_grad_norm_`` computes it."""
-        present = [i for i, has in enumerate(self.has_grad) if has]
-        if not present:
-            return
-        norms = torch._foreach_norm([self.grad_views[i] for i in present], 2.0)
-        for i, norm in zip(present, norms, strict=True):
-            self.norms[i] = norm
-
-    def scale_grads(self, coefficient: torch.Tensor) -> None:
-        """Multiply the gradients by ``coefficient``, as ``clip_grads_with_norm_`` does."""
-        torch._foreach_mul_(self.grad_views, coefficient)
 
     # -- the parameters --------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._errors import OptimizerError
+from ..._errors import OptimizerError
 from ._buckets import Bucket, aligned
 
 __all__ = ["plan"]

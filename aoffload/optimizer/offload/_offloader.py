@@ -1,19 +1,21 @@
-"""OffloadAdam's machinery without a face: buckets, hooks, submits, hyper-parameters.
+"""OffloadAdam's machinery without a face: the worker, the buckets, submits, hyper-parameters.
 
-:class:`Offloader` owns the worker (an :class:`~._core.OptimizerCore`), the buckets and
-the parameters' post-accumulate-grad hooks. It needs no event loop and is thread-safe
-where it must be: hooks run on whatever thread runs the backward (the caller's for CPU
-parameters, autograd's device threads for CUDA ones) and submit a bucket the moment its
-last gradient is in, on that thread; the step itself (:mod:`._offload_step`) runs on the
-thread that calls ``step()`` or ``astep()``. A hook never raises into autograd: what goes
-wrong is recorded and raised by the step.
+:class:`Offloader` owns the worker (an :class:`~.._core.OptimizerCore`), the buckets and
+the backward's hooks (:mod:`._hooks`). It needs no event loop and is thread-safe where it
+must be: the hooks submit a bucket the moment its last gradient is in, on the thread that
+runs the backward; the step itself (:mod:`._step`) runs on the thread that calls
+``step()`` or ``astep()``.
+
+The worker always keeps an exact pre-step copy of every bucket (``exact_rollback``): a
+bucket sent by the backward steps at once, and if its gradients change before ``step()``
+(clipping, unscaling, a hand edit) or the step is clipped or skipped, it is restored bit
+for bit and stepped again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -21,40 +23,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import ClosedError, OptimizerError
-from .._runtime.gate import GATE
-from ._bucket_plan import plan
+from ..._errors import ClosedError, OptimizerError
+from ..._runtime.gate import GATE
+from .._core import OptimizerCore
+from ..worker._calls import GroupConfig
 from ._buckets import Bucket
-from ._calls import GroupConfig
-from ._core import OptimizerCore
-from ._offload_state import Loaded, config_of
+from ._grads import compute_norms, let_go, record_sent
+from ._hooks import Hooks
+from ._options import Options
+from ._plan import plan
+from ._state import Loaded, config_of
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from ._cuda import CudaLinks
 
 __all__ = ["Offloader"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """OffloadAdam's options past the hyper-parameters (validated by the face)."""
-
-    backend: str
-    bucket_bytes: int
-    max_grad_norm: float | None
-    skip_nonfinite: bool
-    worker_cores: float | None
-    start_timeout: float
-    close_timeout: float
-
-    @property
-    def speculative(self) -> bool:
-        """Whether a step can be invalidated after it ran (and must be exactly undoable)."""
-        return self.max_grad_norm is not None or self.skip_nonfinite
 
 
 _Key = tuple[object, ...]
@@ -86,15 +71,13 @@ class Offloader:
         self.buckets: list[Bucket] = plan(param_groups, options.bucket_bytes)
         self.core: OptimizerCore | None = None
         self.links: CudaLinks | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the buckets' per-step fields, the hooks' errors
         self.sync = True  # False inside no_sync(): hooks let autograd accumulate
         self.running = False
-        self.errors: list[BaseException] = []  # met by hooks, raised by the step
-        self.late: list[int] = []  # parameters whose gradient came after their bucket left
+        self.hooks = Hooks(self)
         self.group_calls: list[concurrent.futures.Future[None]] = []
         self._sent: list[GroupConfig] = []  # the hyper-parameters the worker has
         self._seen: dict[int, tuple[_Key | None, float]] = {}  # each group's values, checked
-        self._hooks: list[RemovableHandle] = []
         # A step whose astep() was cancelled, finishing on a thread: the next waits for it.
         self.unfinished: concurrent.futures.Future[object] | None = None
         self._by_key = {(b.group_id, b.index): b for b in self.buckets}
@@ -108,11 +91,12 @@ class Offloader:
         """
         configs = tuple(config_of(i, group) for i, group in enumerate(self.groups))
         options = self.options
+        self.group_calls, self.unfinished = [], None
         core = self.core = OptimizerCore(
             configs,
             backend=options.backend,
             worker_cores=options.worker_cores,
-            exact_rollback=options.speculative,
+            exact_rollback=True,
             close_timeout=options.close_timeout,
             side_by_side=True,
         )
@@ -123,14 +107,14 @@ class Offloader:
         if pending is not None:
             self.load(pending)
         for bucket in self.buckets:
-            self._hook(bucket)
+            self.hooks.install(bucket)
         self.running = True
         logger.info(
             "OffloadAdam: %d buckets of at most %.0f MiB, %s backend%s",
             len(self.buckets),
             options.bucket_bytes / (1 << 20),
             core.backend,
-            ", speculative steps (exact rollback)" if options.speculative else "",
+            ", clipping and skipping by the global norm" if options.speculative else "",
         )
 
     def _allocate(self, buckets: Sequence[Bucket]) -> None:
@@ -162,19 +146,6 @@ class Offloader:
         for call in calls:
             call.result()
 
-    def _hook(self, bucket: Bucket) -> None:
-        for position, param in enumerate(bucket.params):
-            hook = functools.partial(self.on_grad, bucket, position)
-            self._hooks.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
-            if bucket.resident[position]:
-                with torch.enable_grad():  # the accumulator, kept so that it stays the one
-                    accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                if accumulator is None:
-                    raise RuntimeError("a parameter that requires grad has no accumulator")
-                bucket.accumulators.append(accumulator)
-                before = functools.partial(self.before_grad, bucket, position)
-                self._hooks.append(accumulator.register_prehook(before))
-
     def pin(self) -> None:
         """Pin the trainer's CPUs (only with ``worker_cores``); on the trainer's thread."""
         if self.core is not None:
@@ -188,9 +159,7 @@ class Offloader:
     def close(self) -> None:
         """Remove the hooks, stop the worker, free the buckets; blocking, idempotent."""
         self.running = False
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.hooks.remove()
         try:
             if self.core is not None:
                 try:
@@ -213,105 +182,46 @@ class Offloader:
 
     # -- the backward ----------------------------------------------------------------------
 
-    def before_grad(
-        self, bucket: Bucket, position: int, grads: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, ...] | None:
-        """A resident parameter's gradient accumulator's pre-hook: the step's first gradient
-        goes straight into the shared grad (:meth:`Bucket.first_grad`); never raises."""
-        if not self.running or torch.is_grad_enabled():
-            return None  # create_graph=True: autograd keeps a graph, not our view
-        unfinished = self.unfinished
-        if unfinished is not None:
-            concurrent.futures.wait([unfinished])  # its redo may still read the grads
-        try:
-            view = bucket.first_grad(position, grads[0])
-        except Exception as exc:  # noqa: BLE001 - raised by the step, never into autograd
-            self.record(exc)
-            return None
-        return None if view is None else (view,)
-
     def let_go(self) -> None:
         """``zero_grad`` during a step: the shared gradients the worker may read are not
         zeroed but set to ``None`` (the next backward writes them anew)."""
         for bucket in self.buckets:
             if bucket.resident_params:
-                bucket.let_go()
-
-    def on_grad(self, bucket: Bucket, position: int, param: torch.Tensor) -> None:
-        """A post-accumulate-grad hook: take the gradient; submit the bucket it completes."""
-        if not self.running or not self.sync:
-            return
-        unfinished = self.unfinished
-        if unfinished is not None:
-            concurrent.futures.wait([unfinished])  # the buckets are still that step's
-        grad = param.grad
-        if grad is None:
-            return
-        try:
-            with self.lock:
-                if bucket.submitted:
-                    self.late.append(bucket.indices[position])  # raised once, by the step
-                    return
-            if bucket.link is None:
-                bucket.take_grad(position, grad)
-            elif self.links is not None:
-                self.links.grad_out(bucket, position, grad)
-            with self.lock:
-                complete = bucket.arrive(position)
-                if complete:
-                    bucket.submitted = True  # claimed: a later gradient of it is an error
-            if not complete:
-                return
-            if self.links is not None and bucket.link is not None:
-                self.links.complete(bucket, self._submit_recorded)
-            else:
-                self.submit(bucket)
-        except Exception as exc:  # noqa: BLE001 - raised by the step, never into autograd
-            self.record(exc)
-
-    def take_errors(self) -> list[BaseException]:
-        """The errors the hooks met since the last call (the caller holds :attr:`lock`)."""
-        errors, self.errors = self.errors, []
-        if self.late:
-            errors.append(
-                OptimizerError(
-                    f"the gradients of parameters {sorted(set(self.late))} were accumulated "
-                    "again after their bucket was submitted: the step used them as they were "
-                    "then. Run every backward of a step but the last inside `opt.no_sync()`"
-                )
-            )
-            self.late = []
-        return errors
-
-    def record(self, error: BaseException) -> None:
-        """Keep an error met off the step's thread for the step to raise."""
-        with self.lock:
-            self.errors.append(error)
-
-    def _submit_recorded(self, bucket: Bucket) -> None:
-        try:
-            self.submit(bucket)
-        except Exception as exc:  # noqa: BLE001 - raised by the step
-            self.record(exc)
+                let_go(bucket)
 
     def submit(self, bucket: Bucket) -> None:
         """Send the bucket's step: its master takes outside changes, its gradients' norms are
-        taken (speculation), the group's hyper-parameters go along. Any thread."""
-        core = self._core()
+        taken (speculation), its gradients recorded as sent, the group's hyper-parameters go
+        along. Any thread."""
+        self._core()
         if bucket.link is not None and self.links is not None:
             changed = bucket.changed()
             bucket.resync(self.links.read(bucket, changed) if changed else None)
         else:
             bucket.resync()
         if self.options.speculative:
-            bucket.compute_norms()
+            compute_norms(bucket)
         bucket.lr = self.group_lr(bucket.group_id)
         bucket.submitted = True
-        if bucket.master is None or bucket.grad is None:
-            raise ClosedError("OffloadAdam was closed during the step")
+        record_sent(bucket)
         if bucket.resident_params:
             GATE.begin_write(bucket.address)  # after any staging copy of it; until landed()
-        core.submit(bucket.group_id, bucket.index, bucket.master, bucket.grad, lr=bucket.lr)
+        self.send(bucket)
+
+    def send(self, bucket: Bucket, *, rollback: bool = False) -> None:
+        """Send the bucket's step (at this step's ``lr``), or its exact rollback; any thread."""
+        core = self._core()
+        if bucket.master is None or bucket.grad is None:
+            raise ClosedError("OffloadAdam was closed during the step")
+        key, lr = (bucket.group_id, bucket.index), None if rollback else bucket.lr
+        with self.lock:
+            bucket.due += 0 if rollback else 1  # counted before its outcome can come back
+        try:
+            core.submit(key, bucket.master, bucket.grad, lr, rollback)
+        except BaseException:
+            with self.lock:
+                bucket.due -= 0 if rollback else 1
+            raise
 
     def group_lr(self, group_id: int) -> float:
         """The group's learning rate now; its other hyper-parameters, if they changed since
@@ -337,13 +247,6 @@ class Offloader:
     def _set_sent(self, configs: Sequence[GroupConfig]) -> None:
         self._sent = list(configs)
         self._seen = {}
-
-    def fill_missing(self, bucket: Bucket) -> None:
-        """Take the gradients of a bucket no hook completed (on the step's thread)."""
-        if bucket.link is not None and self.links is not None:
-            self.links.fill_missing(bucket)
-        else:
-            bucket.fill_missing()
 
     def publish(self, bucket: Bucket) -> None:
         """Copy a bucket's final master into the model's parameters (the step's thread)."""
@@ -386,7 +289,7 @@ class Offloader:
             self._allocate(new)
             self._register(new)
             for bucket in new:
-                self._hook(bucket)
+                self.hooks.install(bucket)
         self.buckets.extend(new)
         self._by_key.update({(b.group_id, b.index): b for b in new})
 

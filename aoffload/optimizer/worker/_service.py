@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .._runtime.protocol import Call
-from .._runtime.serve import Handler, Service, target
-from ._backends import Backup, DeepSpeedBackend, NoStepError, TorchBackend
+from ..._runtime.protocol import Call
+from ..._runtime.serve import Handler, Service, target
+from ._backend import Backup, NoStepError, SubGroupBackend
 from ._calls import (
     AdamConfig,
     Allocate,
@@ -33,11 +33,14 @@ from ._calls import (
     Register,
     Release,
     SetGroups,
+    Settle,
     Snapshot,
     StateInfo,
     Step,
 )
+from ._deepspeed_backend import DeepSpeedBackend
 from ._stepper import Stepper
+from ._torch_backend import TorchBackend
 
 __all__ = ["TARGET", "AdamService"]
 
@@ -55,7 +58,8 @@ class AdamService(Service):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self._cores = config.cores
-        self._backend: TorchBackend | DeepSpeedBackend = self._make_backend(config)
+        self._fallback: str | None = None
+        self._backend = self._make_backend(config)
         # The torch backend steps sub-groups side by side, one core each (see _stepper);
         # DeepSpeed's op keeps state across calls and steps one sub-group at a time.
         threads = torch.get_num_threads()
@@ -74,16 +78,18 @@ class AdamService(Service):
             "inherited" if config.cores is None else list(config.cores),
         )
 
-    @staticmethod
-    def _make_backend(config: AdamConfig) -> TorchBackend | DeepSpeedBackend:
+    def _make_backend(self, config: AdamConfig) -> SubGroupBackend:
+        """The backend asked for; ``"auto"``: DeepSpeed's op if it loads without a build,
+        else the torch backend, and :attr:`_fallback` says why."""
         if config.backend == "torch":
             return TorchBackend(config.groups)
         if config.backend == "deepspeed":
-            return DeepSpeedBackend(config.groups)
+            return DeepSpeedBackend(config.groups, build=True)
         try:
-            return DeepSpeedBackend(config.groups)
-        except Exception as exc:  # noqa: BLE001 - "auto" falls back, and says why
-            logger.info("DeepSpeed's CPU Adam is unavailable (%s); using the torch backend", exc)
+            return DeepSpeedBackend(config.groups, build=False)
+        except Exception as exc:
+            self._fallback = str(exc)
+            logger.debug("backend 'auto': the torch backend, as %s", exc, exc_info=True)
             return TorchBackend(config.groups)
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
@@ -99,10 +105,28 @@ class AdamService(Service):
         }
         stepper = self._stepper
         if stepper is None:
-            return {Step: self._step, Hurry: _nothing, **others}
+            return {Step: self._step, Hurry: _nothing, Settle: self._settle, **others}
         # Any other call runs once the steps sent before it have ended.
         after = {kind: _after(stepper, handle) for kind, handle in others.items()}
-        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), **after}
+        return {Step: self._submit, Hurry: lambda _: stepper.hurry(), Settle: self._settle, **after}
+
+    def _settle(self, request: Settle) -> None:
+        """Copy every sub-group's moments into its backup, behind its steps sent (on the
+        stepping threads while the trainer runs its next forward)."""
+        for key, backup in self._backups.items():
+            if backup.moments:
+                continue
+            keep = functools.partial(self._keep_moments, key, backup)
+            if self._stepper is None:
+                keep()
+            else:
+                self._stepper.submit(key, keep)
+
+    def _keep_moments(self, key: tuple[int, int], backup: Backup) -> None:
+        try:
+            self._backend.keep_moments(key, backup)
+        except Exception:  # the next step copies them itself
+            logger.exception("could not copy the moments of sub-group %s ahead of its step", key)
 
     def _submit(self, request: Step) -> concurrent.futures.Future[Done]:
         if self._stepper is None:
@@ -124,13 +148,12 @@ class AdamService(Service):
                 f"sub-group {key[1]} of group {key[0]} has {numel} elements but the loaded "
                 f"state holds {waiting[1].numel()}"
             )
-        self._backend.register(*key, request.param, request.grad, request.pieces)
+        self._backend.register(key, request.param, request.grad, request.pieces)
         self._registered[key] = numel
         if self._exact:
             self._backups[key] = Backup(numel)
         if waiting is not None:
-            step, exp_avg, exp_avg_sq = waiting
-            self._backend.load(*key, step, exp_avg, exp_avg_sq)
+            self._backend.load(key, waiting[0], waiting[1:])
 
     def _allocate(self, request: Allocate) -> torch.Tensor:
         buffer = torch.empty(request.numel, dtype=torch.float32)
@@ -156,7 +179,7 @@ class AdamService(Service):
             numel = self._registered[key]
             exp_avg = buffer[offset : offset + numel]
             exp_avg_sq = buffer[offset + numel : offset + 2 * numel]
-            steps.append(self._backend.export(*key, exp_avg, exp_avg_sq))
+            steps.append(self._backend.export(key, exp_avg, exp_avg_sq))
             offset += 2 * numel
         return StateInfo(
             self._backend.name, tuple(steps), self._backend.groups(), self._backend.kernel()
@@ -176,7 +199,7 @@ class AdamService(Service):
         self._backend.set_kernel(request.kernel)
         self._waiting.clear()
         for key in self._registered.keys() - listed:
-            self._backend.load(*key, 0, None, None)  # not in the state: starts afresh
+            self._backend.load(key, 0, None)  # not in the state: starts afresh
         offset = 0
         for group_id, subgroup_id, numel, step in request.entries:
             key = (group_id, subgroup_id)
@@ -184,23 +207,25 @@ class AdamService(Service):
             exp_avg_sq = buffer[offset + numel : offset + 2 * numel]
             offset += 2 * numel
             if key in self._registered:
-                self._backend.load(*key, step, exp_avg, exp_avg_sq)
+                self._backend.load(key, step, (exp_avg, exp_avg_sq))
             else:  # the buffer is reused: keep a private copy until the sub-group registers
                 self._waiting[key] = (step, exp_avg.clone(), exp_avg_sq.clone())
         for backup in self._backups.values():
-            backup.valid = False  # the pre-step copies belong to the state replaced
+            backup.valid = backup.moments = False  # they belong to the state replaced
 
     def _set_groups(self, request: SetGroups) -> None:
         self._backend.set_groups(request.groups)
 
     def _info(self, request: GetInfo) -> Info:
-        library = None if isinstance(self._backend, TorchBackend) else self._backend.op.library
+        backend = self._backend
+        library = backend.op.library if isinstance(backend, DeepSpeedBackend) else None
         return Info(
             self._backend.name,
             torch.get_num_threads(),
             self._cores,
             op_library=library,
             deepspeed_imported="deepspeed" in sys.modules,
+            fallback=self._fallback,
         )
 
     def _step(self, request: Step) -> Done:
@@ -215,9 +240,9 @@ class AdamService(Service):
         backup = self._backups.get(key)
         if not request.rollback:
             if backup is not None:
-                self._backend.snapshot(*key, backup)
-                backup.valid = True
-            step = self._backend.step(*key)
+                self._backend.snapshot(key, backup)
+                backup.valid, backup.moments = True, False
+            step = self._backend.step(key)
         elif backup is not None:
             if not backup.valid:
                 raise NoStepError(
@@ -225,18 +250,17 @@ class AdamService(Service):
                     f"{request.group_id}: no step since its last rollback or state load "
                     "(exact rollback keeps one pre-step copy)"
                 )
-            step = self._backend.restore(*key, backup)
-            backup.valid = False
+            step = self._backend.restore(key, backup)
+            backup.valid, backup.moments = False, True  # its moments are the current ones
         else:
-            step = self._backend.rollback(*key)
+            step = self._backend.rollback(key)
         return Done(step, time.perf_counter() - started)
 
     def close(self) -> None:
         """Drop the tensors (the shared memory is released with the last reference)."""
         if self._stepper is not None:
             self._stepper.close()
-        if isinstance(self._backend, DeepSpeedBackend):
-            self._backend.close()
+        self._backend.close()
         self._backups.clear()
         self._registered.clear()
         self._buffers.clear()

@@ -12,10 +12,11 @@ Optimizer state moves through shared *state buffers* that the worker allocates o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .._runtime.protocol import Call, Wire
+from ..._runtime.protocol import Call, Wire
 
 __all__ = [
     "GROUP_KEYS",
@@ -30,6 +31,7 @@ __all__ = [
     "Register",
     "Release",
     "SetGroups",
+    "Settle",
     "Snapshot",
     "StateInfo",
     "Step",
@@ -50,6 +52,17 @@ class GroupConfig:
     eps: float
     weight_decay: float
     bias_correction: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """The group in a state dict's layout (DeepSpeed's keys, ``torch.optim``'s betas)."""
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": False,
+            "bias_correction": self.bias_correction,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +89,17 @@ class Info:
     cores: tuple[int, ...] | None
     op_library: str | None = None
     deepspeed_imported: bool = False
+    fallback: str | None = None
+    """Why ``backend="auto"`` runs the torch backend (``None``: it was not asked to choose,
+    or DeepSpeed's op loaded)."""
+
+    def __str__(self) -> str:
+        op = ""
+        if self.op_library is not None:
+            imported = "imported" if self.deepspeed_imported else "not imported"
+            op = f" (op {self.op_library}, DeepSpeed {imported})"
+        cores = "unpinned" if self.cores is None else list(self.cores)
+        return f"{self.backend} backend{op}, {self.threads} threads, worker cores {cores}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +139,15 @@ class Hurry(Call[None]):
 
 
 @dataclass(frozen=True, slots=True)
+class Settle(Call[None]):
+    """Trainer -> worker: every step sent is final (none will be rolled back): keep a copy
+    of each sub-group's moments now, in the background, so that the next step's exact
+    backup copies the parameter alone (see ``_backend``)."""
+
+    plain = True
+
+
+@dataclass(frozen=True, slots=True)
 class Done(Wire):
     """Reply to a :class:`Step`: the sub-group's step count after it, and the compute time."""
 
@@ -137,7 +170,7 @@ Kernel = tuple[int, int, float, float]
 """DeepSpeed's CPU Adam bias-correction state: (anchor step, step, beta1, beta2).
 
 ``beta**anchor`` was computed with ``pow``, then multiplied by ``beta`` once per step
-up to ``step``; the next step's rounding depends on it (see ``_backends``)."""
+up to ``step``; the next step's rounding depends on it (see ``_deepspeed_backend``)."""
 
 
 @dataclass(frozen=True, slots=True)
