@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aoffload
-from aoffload.checkpoint import _format
-from aoffload.checkpoint._core import EngineCore
+from aoffload.checkpoint.core.engine import EngineCore
+from aoffload.checkpoint.format import read
 
 
 def save(engine: EngineCore, tag: str, value: float) -> None:
@@ -35,14 +35,14 @@ def test_a_removal_moves_latest_back_and_deletes_the_tag(tmp_path: Path) -> None
         assert engine.remove("a").result() is False  # gone already
         assert engine.catalog.tags == ["b"]
         assert engine.catalog.latest == "b"
-        assert _format.read_latest(tmp_path) == "b"
+        assert read.read_latest(tmp_path) == "b"
         with pytest.raises(aoffload.CheckpointError, match="no committed checkpoint 'c'"):
             engine.metadata("c")
         assert engine.remove("b").result() is True  # the last one: `latest` goes
-        assert _format.read_latest(tmp_path) is None
+        assert read.read_latest(tmp_path) is None
     finally:
         engine.close()  # waits for the deletions
-    assert _format.scan(tmp_path, clean=False).tags == []
+    assert read.scan(tmp_path, clean=False).tags == []
     assert not [e for e in tmp_path.iterdir() if e.name.startswith((".tmp-", ".trash-"))]
 
 

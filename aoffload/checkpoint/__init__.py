@@ -31,20 +31,20 @@ from .._lazy import exports as _exports
 # Imported on first use (PEP 562): the command line reads the format (_format, _inspect)
 # without importing torch.
 if _typing.TYPE_CHECKING:
-    from ._commit import CommitResult as CommitResult
     from ._engine import CheckpointEngine as CheckpointEngine
     from ._engine import Staged as Staged
-    from ._load import load_checkpoint as load_checkpoint
-    from ._load import load_metadata as load_metadata
-    from ._preemption import PreemptionNotice as PreemptionNotice
+    from .core.commit import CommitResult as CommitResult
+    from .core.load import load_checkpoint as load_checkpoint
+    from .core.load import load_metadata as load_metadata
+    from .preemption.notice import PreemptionNotice as PreemptionNotice
 else:
     _LAZY = {
-        "CommitResult": "._commit",
+        "CommitResult": ".core.commit",
         "CheckpointEngine": "._engine",
         "Staged": "._engine",
-        "load_checkpoint": "._load",
-        "load_metadata": "._load",
-        "PreemptionNotice": "._preemption",
+        "load_checkpoint": ".core.load",
+        "load_metadata": ".core.load",
+        "PreemptionNotice": ".preemption.notice",
     }
 
     __getattr__, __dir__ = _exports(__name__, globals(), _LAZY)

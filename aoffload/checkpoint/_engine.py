@@ -24,12 +24,12 @@ from typing import Any
 from .._runtime.handle import Handle
 from .._runtime.resource import Resource
 from .._runtime.threads import running_future
-from ._commit import CommitResult
-from ._core import EngineCore
-from ._load import MapLocation
-from ._pipeline import Unloadable
-from ._preemption import PreemptionNotice
-from ._tags import FileJob
+from .core.commit import CommitResult
+from .core.engine import EngineCore
+from .core.load import MapLocation
+from .core.pipeline import Unloadable
+from .core.tags import FileJob
+from .preemption.notice import PreemptionNotice
 
 __all__ = ["CheckpointEngine", "CommitResult", "Staged"]
 

@@ -27,9 +27,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .._errors import AoffloadError, CheckpointError, ClosedError
-from ..checkpoint._core import EngineCore
-from ..checkpoint._load import Remote, in_writer
-from ..checkpoint._tags import FileJob
+from ..checkpoint.core.engine import EngineCore
+from ..checkpoint.core.load import Remote, in_writer
+from ..checkpoint.core.tags import FileJob
 from ._inflight import CommitsInFlight
 from ._load import load_verified
 

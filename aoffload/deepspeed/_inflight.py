@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .._errors import CheckpointError
-from ..checkpoint._tags import Tags
+from ..checkpoint.core.tags import Tags
 
 __all__ = ["CommitsInFlight"]
 

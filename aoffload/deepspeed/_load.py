@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from ..checkpoint import _format, _paths
-from ..checkpoint._load import MapLocation, Remote, load_file, temporary_loader
+from ..checkpoint.core.load import MapLocation, Remote, load_file, temporary_loader
+from ..checkpoint.format import layout
+from ..checkpoint.format import paths as _paths
 
 __all__ = ["DEEPSPEED_SAFE_GLOBALS", "deepspeed_safe_globals", "load_verified", "locate"]
 
@@ -57,10 +58,10 @@ def locate(path: str) -> tuple[Path, str, str]:
     """
     file = Path(os.path.abspath(path))
     for folder in list(file.parents)[:_TAG_DEPTH]:
-        if _paths.kind(folder / _format.MANIFEST) == "file":
+        if _paths.kind(folder / layout.MANIFEST) == "file":
             return folder.parent, folder.name, file.relative_to(folder).as_posix()
     raise CheckpointError(
-        f"{path} is not a file of a committed aoffload checkpoint (no {_format.MANIFEST} in "
+        f"{path} is not a file of a committed aoffload checkpoint (no {layout.MANIFEST} in "
         "the directories above it), so it cannot be verified; AsyncCheckpointEngine.load "
         "loads only verified files. A checkpoint written by DeepSpeed's own engine loads "
         "with that engine"

@@ -31,10 +31,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from .._errors import AoffloadError, CheckpointError, ClosedError
 from .._runtime.threads import running_future
-from ..checkpoint import _format
-from ..checkpoint._core import EngineCore
-from ..checkpoint._load import MapLocation, in_writer, load_file, temporary_loader
-from ..checkpoint._pipeline import Unloadable
+from ..checkpoint.core.engine import EngineCore
+from ..checkpoint.core.load import MapLocation, in_writer, load_file, temporary_loader
+from ..checkpoint.core.pipeline import Unloadable
+from ..checkpoint.format import layout, write
 
 __all__ = ["AsyncCheckpointIO"]
 
@@ -61,7 +61,7 @@ def _link(path: Path, target: Path, durable: bool) -> None:
     os.symlink(os.path.relpath(target, path.parent), temporary)
     os.replace(temporary, path)
     if durable:
-        _format.fsync_path(path.parent)
+        write.fsync_path(path.parent)
 
 
 class _Store:
@@ -83,7 +83,7 @@ class _Store:
         while tag in taken or self.engine.catalog.committed(tag):
             n += 1
             tag = f"{name}~{n}"
-        return _format.validate_tag(tag)
+        return layout.validate_tag(tag)
 
     def tag_of(self, path: Path) -> str | None:
         """The tag ``path`` is (or will be) this store's link to, or ``None``."""
@@ -270,7 +270,7 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
         root = target.parent.parent
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if root.name != STORE or not (target.parent / _format.MANIFEST).is_file():
+        if root.name != STORE or not (target.parent / layout.MANIFEST).is_file():
             loaded: dict[str, Any] = torch.load(
                 path, map_location=map_location, weights_only=weights_only is not False
             )
@@ -309,14 +309,14 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if path.is_symlink() or path.is_file():
                 path.unlink()
             elif path.is_dir():
-                _format.remove_tree(path)
+                write.remove_tree(path)
             return
 
         def unlink(store: _Store = store, tag: str = tag) -> None:  # the commit thread
             if store.tag_of(path) == tag and path.is_symlink():
                 path.unlink()
                 if store.durable:
-                    _format.fsync_path(path.parent)
+                    write.fsync_path(path.parent)
 
         store.track(store.engine.remove(tag, unlink))
 

@@ -9,6 +9,6 @@
 Nothing here imports the trainer's side of the wing.
 """
 
-from ._service import TARGET as TARGET
+from .service import TARGET as TARGET
 
 __all__ = ("TARGET",)
