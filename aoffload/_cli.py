@@ -1,7 +1,7 @@
 """``python -m aoffload`` (the ``aoffload`` console script): look after checkpoint directories.
 
-The commands read the directory with :mod:`aoffload.checkpoint._inspect` (a remote tier's
-URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint._remote_inspect`); this module
+The commands read the directory with :mod:`aoffload.checkpoint.format.inspect` (a remote tier's
+URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint.remote.inspect`); this module
 parses arguments, prints, and maps outcomes to the exit codes below.
 """
 

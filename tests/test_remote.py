@@ -362,7 +362,7 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         await engine.commit("step-2")
         with pytest.raises(aoffload.CheckpointError) as failed:
             await engine.uploaded("step-2")
-        config = engine._core.remote.uploader._process._config
+        config = engine._core.tier.uploader.core._process._config
         shown = [str(failed.value), repr(failed.value), repr(config), str(config)]
     logged = [record.getMessage() for record in caplog.records]
     assert any("retry 1 of 4 in 0.1 s" in line for line in logged)  # the worker's logs came
@@ -416,7 +416,7 @@ def test_the_command_line_reads_a_remote_tier(
 
 _LANES = """
 import concurrent.futures, json, os, sys, threading
-from aoffload.checkpoint.remote._store import RemoteStore
+from aoffload.checkpoint.remote.worker.store import RemoteStore
 
 url, folder = sys.argv[1], sys.argv[2]
 store = RemoteStore(url)

@@ -1,6 +1,6 @@
 """The staging copy: a pool of threads sized to the cores, copying in chunks without the GIL.
 
-One copy job takes a :class:`~._plan.Plan` into its staging :class:`~._staging.Region`. The
+One copy job takes a :class:`~.plan.Plan` into its staging :class:`~.staging.Region`. The
 first pool thread to take the job cuts it into pieces: the skeleton's chunks and each
 contiguous CPU tensor in :data:`CHUNK`-byte ``memmove`` calls, which release the GIL; a
 non-contiguous tensor is one ``copy_``; the CUDA tensors are one piece that queues their
@@ -27,14 +27,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..._errors import CheckpointError, ClosedError
 from ..._runtime.threads import background_policy
-from .plan import Plan, modified
-from .staging import Region
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .staging import Region
 
 __all__ = ["CHUNK", "CopyPool", "stage_events"]
 
@@ -159,7 +162,7 @@ class _Job:
             self._pieces, self._keep = [], []
 
     def _check_versions(self) -> None:
-        moved = modified(self._plan)
+        moved = self._plan.modified()
         if moved is None:
             return
         key, before, after = moved

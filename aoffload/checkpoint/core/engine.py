@@ -1,29 +1,29 @@
 """The checkpoint engine itself, as any thread sees it: synchronous and thread-safe.
 
 :class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all
-the work; nothing in it needs an event loop. :class:`~._engine.CheckpointEngine` is its
-asyncio face and the DeepSpeed adapter (:mod:`aoffload.deepspeed`) uses it directly.
+the work; nothing in it needs an event loop. :class:`~aoffload.CheckpointEngine` is its
+face for both kinds of trainer. It is one process writing one local directory: who else
+takes part in a commit (a :class:`~.roles.Coordinator`) and what stands behind the
+directory (a :class:`~.roles.Tier`) are handed to it by the assembler, so nothing here
+asks which features the engine has.
 
 ===================  ==============================================================
 thread               work
 ===================  ==============================================================
 the caller's         ``stage()``: validation, version counters, the job handed over;
                      ``commit()``: which tag, its future, the commit handed over
-stage thread         plan, wait for a staging slot, reserve space (:mod:`._pipeline`)
+stage thread         plan, wait for a staging slot, reserve space (:mod:`.pipeline`)
 copy pool            the GIL-free copy, the version check, the hand-off to the writer
-writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (:mod:`.writer`)
-commit thread        one commit at a time, in request order: wait for the writes,
-                     fsync, publish, ``latest``, retention (:mod:`._commit`), with
-                     every rank (:mod:`._distributed`)
-load thread          verify and load (:mod:`._load`); from the remote tier
-                     through its cache (:mod:`._upload`)
+writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (``writer/``)
+commit thread        one commit at a time, in request order, through the coordinator:
+                     wait for the writes, fsync, publish, ``latest``, retention
+                     (:mod:`.commit`, :mod:`.catalog`), with every rank (``ranks/``)
+load thread          verify and load (:mod:`.load`); where the tier says the file is
 trash thread         deleting retired tags
-upload thread        with ``remote=``: each committed tag, in commit order, through
-                     the uploader process (:mod:`._upload`, :mod:`.remote`)
-preemption threads   a preemption notice's announcer and watcher (:mod:`._agreement`)
+tier's threads       with ``remote=``: each committed tag's upload (``remote/``)
 ===================  ==============================================================
 
-The tags in flight have one owner, :class:`~._tags.Tags`.
+The tags in flight have one owner, :class:`~.tags.Tags`.
 """
 
 from __future__ import annotations
@@ -32,68 +32,31 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import os
 import time
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..._errors import CheckpointError, ClosedError, InvalidStateError
-from ..._runtime.core import WorkerCore
+from ..._errors import ClosedError, InvalidStateError, first_line
 from ..._runtime.threads import DaemonThreadExecutor, Handoff, running_future
-from ..format import layout, read, write
-from ..format import layout as _untrusted
-from ..format import lock as _lock
+from ..format import layout, read, shm, write
 from ..format import metadata as _metadata
-from ..format import shm as _shm
-from ..preemption.notice import PreemptionNotice, signal_set
-from ..ranks.commit import Ranks
-from ..ranks.rendezvous import first_line
-from ..remote.ranks import SpreadRanks
-from ..remote.resume import load_either
-from ..remote.tier import RemoteTier
-from ..writer import TARGET
-from ..writer.calls import WriterConfig
-from .commit import Catalog, CommitResult, commit_local
-from .load import MapLocation, in_writer, load_file
-from .pipeline import Pipeline, Unloadable
-from .plan import modified
-from .tags import FileJob, OpenTag, Tags
+from .load import MapLocation, load_from
+from .pipeline import Pipeline
+from .result import CommitResult
+from .staging import SlotPool
+from .tags import Tags
+
+if TYPE_CHECKING:
+    from ..._runtime.core import WorkerCore
+    from .catalog import Catalog
+    from .loadable import Unloadable
+    from .roles import Coordinator, Follower, Published, Tier
+    from .tags import FileJob, OpenTag
 
 __all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
-
-
-def _scan_alone(directory: Path, writer: bool) -> tuple[_lock.DirectoryLock | None, layout.Scan]:
-    """Scan ``directory`` at the start of a single-process engine.
-
-    A writer creates the directory and takes the directory locks (see :mod:`._lock`):
-    the writer lock, which refuses a second live writer, and the shared lock, held while
-    the engine lives; leftovers of dead runs are removed only by an engine alone in the
-    directory. A replica only reads. An OS error is a :class:`CheckpointError` naming it.
-    """
-    try:
-        if not writer:
-            return None, read.scan(directory, clean=False)
-        directory.mkdir(parents=True, exist_ok=True)
-        return _lock.hold_shared(
-            directory, lambda sole: read.scan(directory, clean=sole), writer=True
-        )
-    except OSError as exc:
-        raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from exc
-
-
-def _latest_bytes(directory: Path, found: layout.Scan) -> int:
-    """The size of the directory's latest checkpoint (0: none, or unreadable)."""
-    if found.latest is None or found.latest not in found.tags:
-        return 0
-    try:
-        manifest = read.read_manifest(directory / found.latest / layout.MANIFEST)
-    except (OSError, CheckpointError):
-        return 0
-    return sum(entry["bytes"] for entry in manifest["files"].values())
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
@@ -103,76 +66,37 @@ def _done(value: Any) -> concurrent.futures.Future[Any]:
 
 
 class EngineCore:
-    """The engine behind :class:`~aoffload.CheckpointEngine`; see that class for the options."""
+    """The engine behind :class:`~aoffload.CheckpointEngine` (see there for the options),
+    made by the assembler from its parts: the ``writer`` (``None``: a replica), the
+    ``catalog``, the ``coordinator`` and the ``tier``."""
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: Path,
         *,
-        keep_last: int | None = None,
-        max_pending: int = 1,
-        writer: bool = True,
-        durable: bool = True,
-        start_timeout: float = 60.0,
-        close_timeout: float = 30.0,
-        direct_io: bool = True,
-        distributed: bool = False,
-        commit_timeout: float = 300.0,
-        unloadable: Unloadable = "warn",
-        remote: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        upload_timeout: float = 600.0,
-        early_uploads: bool = False,
-        upload_backoff: float = 0.5,
+        writer: WorkerCore | None,
+        catalog: Catalog,
+        coordinator: Coordinator,
+        tier: Tier,
+        max_pending: int,
+        unloadable: Unloadable,
+        start_timeout: float,
+        close_timeout: float,
     ) -> None:
-        if unloadable not in ("warn", "error", "ignore"):
-            raise ValueError(f"unloadable must be 'warn', 'error' or 'ignore', not {unloadable!r}")
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
-        self.directory = Path(directory)
-        self._start_timeout = start_timeout
-        self._unloadable: Unloadable = unloadable
-        self._close_timeout = close_timeout
-        config = WriterConfig(durable=durable, direct_io=direct_io)
-        self.writer = (
-            WorkerCore(TARGET, config, name="checkpoint-writer", close_timeout=close_timeout)
-            if writer
-            else None
-        )
-        self.tags = Tags(self.directory, max_pending)
+        self.directory = directory
+        self.writer = writer
+        self.catalog = catalog
+        self.coordinator = coordinator
+        self.tier = tier
+        self.tags = Tags(directory, SlotPool(max_pending))
         self._max_pending = max_pending
-        self.catalog = Catalog(self.directory, durable=durable, keep_last=keep_last)
-        self.remote = (
-            RemoteTier(
-                self.directory,
-                remote,
-                storage_options,
-                keep_last=keep_last,
-                upload_timeout=upload_timeout,
-                upload_backoff=upload_backoff,
-                early=early_uploads,
-                close_timeout=close_timeout,
-            )
-            if remote is not None
-            else None
-        )
-        self._ranks: Ranks | None = None
-        if distributed:  # without a shared filesystem: each rank keeps its files (_spread)
-            kind = Ranks if self.remote is None else SpreadRanks
-            self._ranks = kind(
-                self.directory, writer=writer, durable=durable, timeout=commit_timeout
-            )
-        if self.remote is not None:
-            self.remote.ranks = self._ranks if isinstance(self._ranks, SpreadRanks) else None
-            self.catalog.holding = self.remote.holding  # retention waits for an upload
+        self._unloadable: Unloadable = unloadable
+        self._start_timeout = start_timeout
+        self._close_timeout = close_timeout
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
-        self._lock: _lock.DirectoryLock | None = None
-        self._tag_bytes = _untrusted.MAX_TAG_BYTES
-        self._notice: PreemptionNotice | None = None
+        self._tag_bytes = layout.MAX_TAG_BYTES
         self._running = False
         self._closed = False
         self._failure: str | None = None
@@ -187,31 +111,23 @@ class EngineCore:
     def start(self) -> None:
         """Scan the directory (cleaning a crash's leftovers), start the writer (blocking).
 
-        With ``distributed=True`` this is a collective. A failed start releases
-        everything it took.
+        With ranks this is a collective. A failed start releases everything it took.
         """
         if self._running or self._closed:
             raise ClosedError("this checkpoint engine was already started; create a new one")
         try:
-            if self.remote is not None:
-                self.remote.spawn()  # it starts while the directory is scanned
-            if self._ranks is not None:  # rank 0 alone may clean (see _lock)
-                found = self._ranks.start()
-            else:
-                self._lock, found = _scan_alone(self.directory, self.writer is not None)
-            if self.remote is not None:
-                found = self.remote.join(self._start_timeout, found)
+            self.tier.spawn()  # its process starts while the directory is scanned
+            found = self.tier.join(self.coordinator.join())
             self.catalog.found(found)
-            self._tag_bytes = _untrusted.tag_limit(self.directory)
+            self._tag_bytes = layout.tag_limit(self.directory)
             self._commits = DaemonThreadExecutor("aoffload-commit")
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
-                _shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
-                _shm.check_room(_latest_bytes(self.directory, found), self._max_pending)
+                shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
+                shm.check_room(read.latest_bytes(self.directory, found), self._max_pending)
                 self.writer.start(self._start_timeout)
                 self._pipeline = Pipeline(self.tags, self.writer, self._unloadable)
-            if self._ranks is not None:
-                self._ranks.watch(self.writer)
+            self.coordinator.arm()
         except BaseException:
             self.close()
             raise
@@ -259,34 +175,11 @@ class EngineCore:
         nobody can tell apart), and its tag can no longer be published: it is discarded.
         Idempotent; raises what the staging raised. Warns (once) when the file holds a
         value that the default load cannot read back (``unloadable="warn"``).
+        (:meth:`.pipeline.Pipeline.fence` checks; this discards the tag.)
         """
-        job.staged.result()
-        if job.sealed is not False:
-            if isinstance(job.sealed, BaseException):
-                raise job.sealed
+        error = self._pipeline.fence(job) if self._pipeline is not None else None
+        if error is None:
             return
-        # The check is the plan's last use: drop it, so that the tag, alive until it is
-        # published, does not keep the caller's tensors alive too.
-        planned, job.plan = job.plan, None
-        moved = None if planned is None else modified(planned)
-        if moved is None:
-            job.sealed = True
-            if planned is not None and planned.unloadable is not None:
-                warnings.warn(
-                    f"{planned.unloadable}. CheckpointEngine(unloadable='error') makes this "
-                    "an error, unloadable='ignore' silences it",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return
-        key, before, after = moved
-        error = CheckpointError(
-            f"cannot save {job.name!r}: {key} was modified in place after stage() and before "
-            f"`await staged` (its version counter moved from {before} to {after}); checkpoint "
-            f"{job.open_tag.tag!r} is discarded. Do not modify staged tensors until the fence "
-            "(`await staged`, or save()) has returned; a module in training mode updates its "
-            "running statistics (BatchNorm's) in its forward pass: fence before it"
-        )
         if self.tags.poison(job, error) and self._commits is not None:
             with contextlib.suppress(ClosedError):  # the commit discards the tag
                 self.tags.commit_seen(self._start_commit(job.open_tag.tag, True))
@@ -319,13 +212,12 @@ class EngineCore:
                         "a later commit() of it cannot change that"
                     )
                 return _done(done)
-        if self.writer is None and self._ranks is None:
+        together = self.coordinator.together
+        if self.writer is None and not together:  # a replica alone: nothing to commit
             named = tag or ""
             path = self.directory / named
             return _done(CommitResult(named, path, (), 0, 0.0, 0.0, 0.0, metadata or {}))
-        open_tag, started = self.tags.begin_commit(
-            tag, empty_ok=self._ranks is not None, metadata=metadata
-        )
+        open_tag, started = self.tags.begin_commit(tag, empty_ok=together, metadata=metadata)
         future = open_tag.commit
         if future is None:  # pragma: no cover - begin_commit always sets it
             raise RuntimeError("a commit without a future")
@@ -333,41 +225,46 @@ class EngineCore:
             self.tags.own(future)
             if self._commits is None:
                 raise ClosedError("the checkpoint engine is not running")
-            if self.remote is not None:
-                start_early = self.remote.follow(
-                    open_tag, future, latest, self.tags.own, self.tags.commit_seen
-                )
-                if self.remote.early:  # each file's upload starts from the commit thread
-                    self._commits.submit(start_early)
-            self._commits.submit(self._run_commit, open_tag, time.perf_counter(), latest)
+            follower = self.tier.follow(open_tag, latest, self.tags)
+            self._commits.submit(self._run_commit, open_tag, follower, time.perf_counter(), latest)
         return future
 
-    def _run_commit(self, open_tag: OpenTag, started: float, latest: bool) -> None:
-        """One commit, on the commit thread; resolves ``open_tag.commit``."""
+    def _run_commit(
+        self, open_tag: OpenTag, follower: Follower, started: float, latest: bool
+    ) -> None:
+        """One commit, on the commit thread; resolves ``open_tag.commit``.
+
+        A tag that succeeded frees its staging slot before its future resolves (its writes
+        have ended); one that failed, once the coordinator has removed it.
+        """
         future = open_tag.commit
         if future is None:  # pragma: no cover - begin_commit always sets it
             return
-        if self._ranks is not None:
+        ended = False
 
-            def resolve(result: CommitResult | None, error: BaseException | None) -> None:
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
+        def resolve(published: Published | None, error: BaseException | None) -> None:
+            nonlocal ended
+            if published is not None:
+                ended = True
+                self.tags.end_commit(open_tag, published=True)
+                future.set_result(published.result)
+                follower.committed(published)
+            else:
+                failure = error or RuntimeError(f"the commit of {open_tag.tag!r} had no outcome")
+                future.set_exception(failure)
+                follower.failed(failure)
 
-            try:
-                self._ranks.commit(open_tag, self.writer, self.catalog, started, latest, resolve)
-            finally:
-                self.tags.end_commit(open_tag, published=future.exception() is None)
-            return
         try:
-            result = commit_local(open_tag, self.writer, self.catalog, started, latest)
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the commit
-            self.tags.end_commit(open_tag, published=False)
-            future.set_exception(exc)
-        else:
-            self.tags.end_commit(open_tag, published=True)
-            future.set_result(result)
+            try:
+                follower.early()
+            except Exception:
+                logger.exception("checkpoint %r: its early uploads could not start", open_tag.tag)
+            self.coordinator.commit(open_tag, started, latest, resolve)
+            if not future.done():  # pragma: no cover - every coordinator resolves
+                resolve(None, None)
+        finally:
+            if not ended:
+                self.tags.end_commit(open_tag, published=False)
 
     def metadata(self, tag: str | None = None) -> _metadata.Metadata:
         """A copy of committed ``tag``'s metadata (default: the tag ``latest`` names).
@@ -397,28 +294,6 @@ class EngineCore:
         earlier = self.tags.commits()
         return self._commits.submit(self.catalog.remove_after, tag, earlier, before)
 
-    # -- preemption ----------------------------------------------------------------------
-
-    @property
-    def notice(self) -> PreemptionNotice | None:
-        """The preemption notice, once :meth:`preemption` made it."""
-        return self._notice
-
-    def preemption(self, signals: Iterable[int]) -> PreemptionNotice:
-        """This engine's preemption notice, listening for ``signals`` (made on first call)."""
-        self.check_running()
-        if self._notice is not None:
-            if self._notice.signals != signal_set(signals):
-                raise InvalidStateError(
-                    f"this engine's preemption notice listens for {self._notice.signals}; "
-                    "it cannot listen for other signals"
-                )
-            return self._notice
-        notice = PreemptionNotice(signals, self._ranks.rendezvous if self._ranks else None)
-        notice.start()
-        self._notice = notice
-        return notice
-
     # -- load ----------------------------------------------------------------------------
 
     def load(
@@ -429,30 +304,20 @@ class EngineCore:
         verify: bool,
         weights_only: bool = True,
     ) -> concurrent.futures.Future[Handoff[Any]]:
-        """Load file ``name`` of committed ``tag`` on the load thread; the future of it,
-        handed over (:class:`Handoff`) so that the load thread never frees the state."""
+        """Load file ``name`` of committed ``tag`` on the load thread, from where the tier
+        says it is (:func:`.load.load_from`); the future of it, handed over
+        (:class:`Handoff`) so that the load thread never frees the state."""
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
-        loader = in_writer(self.writer)
-        call: Callable[[], Any]
-        if self.remote is not None:
-            latest, known = self.catalog.latest, self.catalog.tags
-            call = functools.partial(
-                load_either, self.remote, name, tag, latest, known, map_location, verify,
-                loader, weights_only,
-            )  # fmt: skip
-        else:
-            call = functools.partial(
-                load_file, self.directory, name, tag, map_location, verify, loader, weights_only
-            )
+        latest, known = self.catalog.latest, self.catalog.tags
+        where = (self.tier, self.writer, name, tag, latest, known)
+        call = functools.partial(load_from, *where, map_location, verify, weights_only)
         return self._loads.submit(Handoff.of(call))
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:
         """The future of ``tag``'s upload to the remote tier (default: the newest commit)."""
         self.check_running()
-        if self.remote is None:
-            raise InvalidStateError("this engine has no remote tier (CheckpointEngine(remote=...))")
-        return self.remote.uploaded(None if tag is None else layout.validate_tag(tag))
+        return self.tier.uploaded(None if tag is None else layout.validate_tag(tag))
 
     # -- close ---------------------------------------------------------------------------
 
@@ -474,8 +339,6 @@ class EngineCore:
         if self._closed:
             return
         self._closed, self._running = True, False
-        if self._notice is not None:
-            self._notice.close()
         open_tags = self.tags.close()
         late: set[concurrent.futures.Future[Any]] = set()
         try:
@@ -511,34 +374,29 @@ class EngineCore:
             return f"{len(late)} commit(s) still running after close_timeout"
         return None
 
-    def _release(self, open_tags: list[OpenTag], unfinished: str | None = None) -> None:
+    def _release(self, open_tags: list[OpenTag], unfinished: str | None) -> None:
+        """In this order: the tier (the uploads in flight, bounded by upload_timeout), the
+        writer (it drains what was sent first), the others told, the threads, the staging
+        memory; the directory's locks last: nothing of this engine writes any more."""
         try:
-            if self.remote is not None:
-                self.remote.close()  # the uploads in flight, bounded by upload_timeout
-        finally:
-            self._release_local(open_tags, unfinished)
-
-    def _release_local(self, open_tags: list[OpenTag], unfinished: str | None) -> None:
-        try:
-            if self._ranks is not None:
-                self._ranks.disarm(self.writer)  # an orderly close: this rank speaks itself
-            if self.writer is not None:
-                self.writer.stop()  # the writer drains what was sent first
-                self.writer.release()
+            self.tier.close()
         finally:
             try:
-                if self._ranks is not None:  # tell the peers; never wait on a dead one
-                    dead = self.writer is not None and self.writer.death is not None
-                    self._ranks.close(writer_died=dead, unfinished=unfinished)
+                self.coordinator.disarm()  # an orderly close: nobody speaks for this one
+                if self.writer is not None:
+                    self.writer.stop()
+                    self.writer.release()
             finally:
-                if self._commits is not None:
-                    self._commits.shutdown(wait=False)
-                self.catalog.close()
-                for open_tag in open_tags:
-                    if open_tag.commit is None:
-                        write.remove_tree(open_tag.tmpdir)
-                self.tags.release()
-                if self._loads is not None:
-                    self._loads.shutdown(wait=False)
-                if self._lock is not None:
-                    self._lock.release()  # last: nothing of this engine writes any more
+                try:
+                    self.coordinator.leave(unfinished)  # never waits on a dead peer
+                finally:
+                    if self._commits is not None:
+                        self._commits.shutdown(wait=False)
+                    self.catalog.close()
+                    for open_tag in open_tags:
+                        if open_tag.commit is None:
+                            write.remove_tree(open_tag.tmpdir)
+                    self.tags.release()
+                    if self._loads is not None:
+                        self._loads.shutdown(wait=False)
+                    self.coordinator.release()

@@ -1,7 +1,7 @@
 """Loading a committed file: verified, off the event loop, and without stalling it.
 
 Everything here is blocking and runs on a thread (the engine's load thread, or one started
-for :func:`load_checkpoint`); the event loop only awaits the result.
+for :func:`~aoffload.load_checkpoint`); the event loop only awaits the result.
 
 A file whose pickle (``data.pkl``) is small, the usual case since the state is tensors,
 is loaded in the trainer by ``torch.load(weights_only=True, mmap=True)``: its tensors map
@@ -11,7 +11,7 @@ A file whose pickle is large holds big non-tensor values (a 64 MB ``bytes``). to
 weights-only unpickler decodes such a value in single long calls that hold the GIL (over
 half a second for 64 MB on the CI machine), which stalls the trainer's event loop whatever
 thread runs them. Such a file is loaded in a worker process instead (the engine's writer,
-or one started for the call; ``writer/_loader.py``): it sends back the state's skeleton
+or one started for the call; ``writer/loader.py``): it sends back the state's skeleton
 (:class:`~.writer._calls.LoadedFile`), naming where each tensor's storage lies in the
 file, so that the trainer maps the file itself, and each large ``bytes`` value left in a
 ``/dev/shm`` file that the trainer reads with one ``os.pread`` (which fills the new
@@ -24,29 +24,29 @@ import io
 import os
 import pickle
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..._errors import CheckpointError, CorruptCheckpointError, RemoteError
 from ..._runtime.core import WorkerCore
-from ..._runtime.handle import Handle, in_thread
 from ..format import layout, read
-from ..writer import TARGET
-from ..writer.calls import LoadedFile, LoadFile, WriterConfig
+from ..writer.calls import TARGET, LoadedFile, LoadFile, WriterConfig
 from ..writer.loader import unlink_all
+
+if TYPE_CHECKING:
+    from .roles import Tier
 
 __all__ = [
     "MapLocation",
     "Remote",
     "in_writer",
-    "load_checkpoint",
     "load_file",
-    "load_metadata",
-    "read_manifest",
+    "load_from",
     "rebuild",
+    "temporary_loader",
 ]
 
 MapLocation = str | torch.device | dict[str, str] | Callable[..., Any] | None
@@ -182,21 +182,6 @@ def in_writer(writer: WorkerCore | None) -> Remote:
     return remote
 
 
-def read_manifest(directory: Path, tag: str | None) -> tuple[str, dict[str, Any]]:
-    """Committed ``tag`` (default: the one ``latest`` names) and its manifest (blocking)."""
-    if tag is None:
-        tag = read.read_latest(directory)
-        if tag is None:
-            raise CheckpointError(
-                f"{directory} holds no committed checkpoint (no {layout.LATEST!r})"
-            )
-    tag = layout.validate_tag(tag)
-    try:
-        return tag, read.read_manifest(directory / tag / layout.MANIFEST)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{directory} has no committed checkpoint {tag!r}") from exc
-
-
 def load_file(
     directory: Path,
     name: str,
@@ -212,7 +197,7 @@ def load_file(
     unpickler, always here: the file's classes must be importable in this process.
     """
     name = layout.validate_name(name)
-    tag, manifest = read_manifest(directory, tag)
+    tag, manifest = read.find_tag(directory, tag)
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(
@@ -236,83 +221,22 @@ def load_file(
         os.close(fd)
 
 
-def load_checkpoint(
-    directory: str | os.PathLike[str],
+def load_from(
+    tier: Tier,
+    writer: WorkerCore | None,
     name: str,
-    tag: str | None = None,
-    *,
-    map_location: MapLocation = "cpu",
-    verify: bool = True,
+    tag: str | None,
+    latest: str | None,
+    known: list[str],
+    map_location: MapLocation,
+    verify: bool,
     weights_only: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-) -> Handle[Any]:
-    """Load file ``name`` of a committed checkpoint in ``directory``, without an engine.
-
-    Returns at once with a :class:`~aoffload.Handle` of the loaded object: ``await`` it in
-    asyncio code, or call ``.result()``.
-
-    ``directory`` may be a remote tier's URL (``s3://bucket/run``, reached with
-    ``storage_options``): the file is then downloaded by a worker started for the call,
-    verified against the remote manifest, and loaded.
-
-    ``tag=None`` reads the checkpoint ``latest`` names. The file's size and xxh3-64 are
-    checked against the manifest (``verify=False`` skips that), then it is loaded with
-    ``torch.load(..., weights_only=True, map_location=map_location)`` on a thread of its
-    own (in a worker process started for the call when the file holds large non-tensor
-    values, so that unpickling them does not stall the loop). ``weights_only=False`` is
-    your explicit opt-in, as with ``torch.load``, for a file **you trust** that holds
-    other objects (a numpy RNG state): unpickling it can run arbitrary code. Raises
-    :class:`CorruptCheckpointError` naming the file on a mismatch or a missing file, and
-    :class:`CheckpointError` for an unknown tag or name. An abandoned wait abandons the
-    wait only; the load ends on its thread.
-    """
-    if isinstance(directory, str) and "://" in directory:
-        from ..remote.resume import load_url
-
-        return in_thread(
-            load_url, directory, name, tag, storage_options, map_location, verify,
-            weights_only, name="aoffload-load",
-        )  # fmt: skip
-    return in_thread(
-        load_file,
-        Path(directory),
-        name,
-        tag,
-        map_location,
-        verify,
-        temporary_loader,
-        weights_only,
-        name="aoffload-load",
+) -> Any:
+    """Load file ``name`` of ``tag`` (blocking: the engine's load thread) from where
+    ``tier`` says it is (``latest`` and ``known``: the engine's), in ``writer`` when its
+    pickle is large. A download just verified is not hashed twice."""
+    name = layout.validate_name(name)
+    root, found, fresh = tier.source(name, tag, latest, known)
+    return load_file(
+        root, name, found, map_location, verify and not fresh, in_writer(writer), weights_only
     )
-
-
-def load_metadata(
-    directory: str | os.PathLike[str],
-    tag: str | None = None,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-) -> Handle[dict[str, Any]]:
-    """The metadata committed with checkpoint ``tag`` of ``directory``, without an engine.
-
-    Returns at once with a :class:`~aoffload.Handle` of the mapping: ``await`` it in
-    asyncio code, or call ``.result()``.
-
-    ``tag=None`` reads the checkpoint ``latest`` names. Returns ``{}`` for a checkpoint
-    committed without metadata. The manifest is read on a thread of its own. ``directory``
-    may be a remote tier's URL (reached with ``storage_options``), read by a worker started
-    for the call. Raises :class:`CheckpointError` for an unknown tag (or none committed),
-    :class:`CorruptCheckpointError` for an unreadable manifest.
-    """
-    if isinstance(directory, str) and "://" in directory:
-        from ..remote.resume import metadata_url
-
-        return in_thread(metadata_url, directory, tag, storage_options, name="aoffload-load")
-
-    def read() -> dict[str, Any]:
-        _, manifest = read_manifest(Path(directory), tag)
-        metadata = manifest.get("metadata") or {}
-        if not isinstance(metadata, dict):
-            raise CorruptCheckpointError(f"{directory}: the manifest's metadata is not a mapping")
-        return metadata
-
-    return in_thread(read, name="aoffload-load")

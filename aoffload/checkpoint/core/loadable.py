@@ -4,7 +4,7 @@
 the globals torch allows (its tensors, dtypes, ``OrderedDict``, ``set``, ...) and those the
 user allowed with ``torch.serialization.add_safe_globals``. A state holding anything else
 (``np.random.get_state()``, a ``collections.deque``, a dataclass) saves and commits fine,
-then fails to load. The planner's pickler (:mod:`._plan`) finds such a value as it pickles
+then fails to load. The planner's pickler (:mod:`.plan`) finds such a value as it pickles
 the skeleton, through ``reducer_override``: CPython's pickler calls it for every class and
 function it is about to pickle by name, and never for the values it has a fast path for
 (dicts, lists, tuples, str, int, float, bytes, None) nor for tensors (the persistent id
@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import pickle
 import types
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-__all__ = ["Allowed", "locate", "message", "refused"]
+__all__ = ["UNLOADABLE", "Allowed", "Unloadable", "locate", "message", "refused"]
+
+Unloadable = Literal["warn", "error", "ignore"]
+"""What ``stage()`` does with a value ``torch.load(weights_only=True)`` cannot read back."""
+UNLOADABLE: tuple[Unloadable, ...] = get_args(Unloadable)
+"""Its values."""
 
 _whichmodule: Any = pickle.whichmodule  # type: ignore[attr-defined]  # public, untyped
 

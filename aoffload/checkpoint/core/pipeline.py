@@ -5,13 +5,13 @@ before it returns (each tensor's version counter, an event on each CUDA device's
 stream, a hold on memory a worker writes in place: :mod:`aoffload._runtime.gate`, released
 when the copy ends) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
 
-1. plans the state (:func:`._plan.plan`: the pickled skeleton, the tensors' layout,
+1. plans the state (:func:`.plan.plan`: the pickled skeleton, the tensors' layout,
    and a value the default load could not read back: an error with
    ``unloadable="error"``, else a warning at the fence);
-2. waits for its tag's staging slot (:meth:`._tags.Tags.wait_slot`: backpressure), and
+2. waits for its tag's staging slot (:meth:`.tags.Tags.wait_slot`: backpressure), and
    reserves a region of it; a new shared-memory segment is mapped by the writer at once
    (its name is unlinked as soon as both processes map it);
-3. hands the copy to the :class:`~._copy.CopyPool`, whose threads copy in GIL-free chunks
+3. hands the copy to the :class:`~.copy.CopyPool`, whose threads copy in GIL-free chunks
    and check every tensor's version counter against the one recorded at ``stage()``;
 
 and the last copy thread out hands the file to the writer (one :class:`WriteFile` call
@@ -24,22 +24,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Any, Literal
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import CheckpointError, InvalidStateError
-from ..._runtime.core import WorkerCore
-from ..._runtime.gate import GATE, Reading
+from ..._runtime.gate import GATE
 from ..._runtime.threads import DaemonThreadExecutor
 from ..writer.calls import FileRecord, MapSegment, TensorRecord, WriteFile
-from .copy import CopyPool, Events, stage_events
-from .plan import Plan, Versions, cpu_storages, plan, versions
-from .staging import Region, Segment
-from .tags import FileJob, Tags
+from .copy import CopyPool, stage_events
+from .plan import cpu_storages, plan, versions
 
-__all__ = ["Pipeline", "Unloadable"]
+if TYPE_CHECKING:
+    from ..._runtime.core import WorkerCore
+    from ..._runtime.gate import Reading
+    from .copy import Events
+    from .loadable import Unloadable
+    from .plan import Plan, Versions
+    from .staging import Region, Segment
+    from .tags import FileJob, Tags
 
-Unloadable = Literal["warn", "error", "ignore"]
-"""What ``stage()`` does with a value ``torch.load(weights_only=True)`` cannot read back."""
+__all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +166,40 @@ class Pipeline:
             self._tags.failed(job, exc)
             return
         job.staged.set_result(None)
+
+    # -- the fence (the thread that owns the state) ----------------------------------------
+
+    def fence(self, job: FileJob) -> CheckpointError | None:
+        """The fence's check of ``job`` (see :meth:`.engine.EngineCore.seal`): the error of a
+        file found modified in place since ``stage()`` (for the engine to discard its tag),
+        or ``None``. Raises what the staging raised, or what an earlier fence found."""
+        job.staged.result()
+        if job.sealed is not False:
+            if isinstance(job.sealed, BaseException):
+                raise job.sealed
+            return None
+        # The check is the plan's last use: drop it, so that the tag, alive until it is
+        # published, does not keep the caller's tensors alive too.
+        planned, job.plan = job.plan, None
+        moved = None if planned is None else planned.modified()
+        if moved is None:
+            job.sealed = True
+            if planned is not None and planned.unloadable is not None:
+                warnings.warn(
+                    f"{planned.unloadable}. CheckpointEngine(unloadable='error') makes this "
+                    "an error, unloadable='ignore' silences it",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return None
+        key, before, after = moved
+        return CheckpointError(
+            f"cannot save {job.name!r}: {key} was modified in place after stage() and before "
+            f"`await staged` (its version counter moved from {before} to {after}); checkpoint "
+            f"{job.open_tag.tag!r} is discarded. Do not modify staged tensors until the fence "
+            "(`await staged`, or save()) has returned; a module in training mode updates its "
+            "running statistics (BatchNorm's) in its forward pass: fence before it"
+        )
 
     # -- close ---------------------------------------------------------------------------
 

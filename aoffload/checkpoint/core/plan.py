@@ -9,14 +9,14 @@ since the pickling grows with the state:
   copied: the pickler hands them to :class:`_Chunks` as they are;
 * each tensor's version counter is recorded by :func:`versions` when ``stage()`` is called,
   on the caller's thread, before it returns (a walk of the state's dicts, lists and tuples:
-  O(entries), nothing that grows with the bytes); :mod:`._copy` compares it after the copy,
+  O(entries), nothing that grows with the bytes); :mod:`.copy` compares it after the copy,
   and :func:`key_of` names the key of a tensor that moved (the slow, error-only path). A
   tensor the walk cannot reach (inside another object) has its version read when the
   planner meets it;
 * with ``check``, the pickler also notes a value that ``torch.load(weights_only=True)``
-  could not read back (:mod:`._loadable`), at no cost for a state dict of tensors.
+  could not read back (:mod:`.loadable`), at no cost for a state dict of tensors.
 
-The copy itself is :mod:`._copy`'s, so nothing that grows with the state crosses the pipe.
+The copy itself is :mod:`.copy`'s, so nothing that grows with the state crosses the pipe.
 """
 
 from __future__ import annotations
@@ -30,22 +30,29 @@ import torch
 
 from ..._errors import InvalidStateError
 from .loadable import Allowed, message, refused
-from .staging import aligned
 
 __all__ = [
+    "ALIGN",
     "Plan",
     "Versions",
     "View",
+    "aligned",
     "cpu_storages",
     "key_of",
-    "modified",
     "plan",
     "version_of",
     "versions",
 ]
 
+ALIGN = 64
+"""Byte alignment of every tensor inside a staging region (fits every dtype and AVX-512)."""
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
 _UNRECORDED: Any = object()
+
+
+def aligned(nbytes: int, to: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``to``."""
+    return (nbytes + to - 1) // to * to
 
 
 def _tensor_problem(tensor: torch.Tensor) -> str | None:
@@ -296,6 +303,16 @@ class Plan:
     storages: tuple[torch.Tensor, ...] = ()
     views: tuple[View, ...] = ()
 
+    def modified(self) -> tuple[str, int | None, int | None] | None:
+        """The first tensor whose version counter moved since it was recorded: its key,
+        the recorded and the current counter; ``None`` if none moved."""
+        for tensor, recorded in zip(self.tensors, self.versions, strict=True):
+            now = version_of(tensor)
+            if recorded is not None and now != recorded:
+                key = key_of(self.state, tensor) or f"a tensor of shape {tuple(tensor.shape)}"
+                return key, recorded, now
+        return None
+
 
 def plan(state: object, name: str, recorded: Versions | None = None, check: bool = False) -> Plan:
     """Pickle the skeleton of ``state`` and lay out its tensors; bad input names its key.
@@ -332,14 +349,3 @@ def plan(state: object, name: str, recorded: Versions | None = None, check: bool
         tuple(storages),
         tuple(views),
     )
-
-
-def modified(planned: Plan) -> tuple[str, int | None, int | None] | None:
-    """The first tensor of ``planned`` whose version counter moved since it was recorded:
-    its key, the recorded and the current counter; ``None`` if none moved."""
-    for tensor, recorded in zip(planned.tensors, planned.versions, strict=True):
-        now = version_of(tensor)
-        if recorded is not None and now != recorded:
-            key = key_of(planned.state, tensor) or f"a tensor of shape {tuple(tensor.shape)}"
-            return key, recorded, now
-    return None

@@ -9,7 +9,7 @@ A :class:`Slot` holds the segments of one staged-not-yet-durable checkpoint. Slo
 reused checkpoint after checkpoint (a warm copy into mapped pages runs several times
 faster than into fresh ones); a slot grows a segment only when a file does not fit in
 the space it already has. ``max_pending`` slots bound the engine's memory; which tag holds
-which slot, and who waits for one, is :mod:`._tags`'s.
+which slot, and who waits for one, is :mod:`.tags`'s.
 """
 
 from __future__ import annotations
@@ -28,16 +28,13 @@ import numpy as np
 import torch
 
 from ..._errors import CheckpointError
-from ..format.shm import segment_prefix
+from ..format import shm
+from .plan import aligned
 
-__all__ = ["ALIGN", "Region", "Segment", "Slot", "SlotPool", "aligned"]
+__all__ = ["Region", "Segment", "Slot", "SlotPool"]
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
-"""Byte alignment of every tensor inside a staging segment (fits every dtype and AVX-512)."""
-
-_SHM_DIR = "/dev/shm"
 _MIN_SEGMENT = 1 << 20
 _names = itertools.count()
 
@@ -72,21 +69,16 @@ def _map_shared(fd: int, size: int) -> int:
     return int(address)
 
 
-def aligned(nbytes: int, to: int = ALIGN) -> int:
-    """``nbytes`` rounded up to a multiple of ``to``."""
-    return (nbytes + to - 1) // to * to
-
-
 class Segment:
     """One shared-memory file mapped read-write in the trainer."""
 
     def __init__(self, size: int) -> None:
         self.size = aligned(max(size, _MIN_SEGMENT), mmap.PAGESIZE)
-        directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else None
+        directory = shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else None
         if directory is None:
             raise OSError("aoffload needs /dev/shm (a tmpfs) for checkpoint staging memory")
         # named by its owner (pid and start time): a later start sweeps a dead one's (_shm)
-        self.path = os.path.join(directory, f"{segment_prefix()}{next(_names)}")
+        self.path = os.path.join(directory, f"{shm.segment_prefix()}{next(_names)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
@@ -204,7 +196,7 @@ class Slot:
 
 
 class SlotPool:
-    """``max_pending`` slots. Not thread-safe: :class:`~._tags.Tags` owns it under its lock."""
+    """``max_pending`` slots. Not thread-safe: :class:`~.tags.Tags` owns it under its lock."""
 
     def __init__(self, count: int) -> None:
         self.slots = [Slot(i) for i in range(count)]

@@ -24,17 +24,20 @@ import concurrent.futures
 import enum
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import CheckpointError, ClosedError, InvalidStateError
 from ..._runtime.threads import mark_retrieved, running_future
 from ..format.layout import TMP_PREFIX
-from ..writer.calls import FileRecord
-from .plan import Plan
-from .staging import Slot, SlotPool
+
+if TYPE_CHECKING:
+    from ..writer.calls import FileRecord
+    from .plan import Plan
+    from .staging import Slot, SlotPool
 
 __all__ = ["FileJob", "OpenTag", "TagState", "Tags"]
 
@@ -109,15 +112,16 @@ class OpenTag:
 class Tags:
     """The tags in flight of one engine, and the staging slots they hold."""
 
-    def __init__(self, directory: Path, max_pending: int) -> None:
+    def __init__(self, directory: Path, slots: SlotPool) -> None:
         self.directory = directory
         self._cond = threading.Condition()
         self._open: dict[str, OpenTag] = {}
-        self._slots = SlotPool(max_pending)
+        self._slots = slots
         self._queued: collections.deque[OpenTag] = collections.deque()
         self._closing = False
         self._background: list[tuple[concurrent.futures.Future[Any], BaseException]] = []
-        self._seen: set[concurrent.futures.Future[Any]] = set()
+        # weak: a failure marked seen after it was settled leaves no entry behind
+        self._seen: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
 
     # -- files ---------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Reading a checkpoint directory without an engine: what ``python -m aoffload`` reports.
 
-Everything here reads the format :mod:`._format` defines (its constants, manifests and
+Everything here reads the format :mod:`.format` defines (its constants, manifests and
 :func:`~.read.verify_file`); :func:`clean` is the one writer, and it takes the
-directory lock (:mod:`._lock`) exclusive, so it never touches a live engine's files.
-The directory is untrusted: manifests are checked (:mod:`._untrusted`) before anything
+directory lock (:mod:`.lock`) exclusive, so it never touches a live engine's files.
+The directory is untrusted: manifests are checked (:mod:`.untrusted`) before anything
 they name is opened, nothing is followed through a link, and a file is verified before
 ``inspect`` loads it.
 """

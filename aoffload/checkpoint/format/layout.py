@@ -31,7 +31,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 
@@ -80,7 +80,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 _HEX64 = re.compile(r"[0-9a-f]{16}")
 
 
-def is_url(location: object) -> bool:
+def is_url(location: object) -> TypeGuard[str]:
     """Whether ``location`` names a remote tier (``protocol://...``), not a local path."""
     return isinstance(location, str) and "://" in location
 
@@ -107,15 +107,17 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """What a directory holds: committed tags (oldest first), their last sequence,
-    ``latest``, each tag's commit metadata (a tag committed without any has none here), and
-    the tags whose manifest is unreadable (set aside, see ``read.scan``)."""
+    """What a directory (or a remote tier) holds: committed tags (oldest first), the last
+    sequence, ``latest``, each tag's commit metadata (a tag committed without any has none
+    here), the tags whose manifest is unreadable (set aside, see ``read.scan``), and each
+    tag's sequence number."""
 
     tags: list[str]
     sequence: int
     latest: str | None
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     quarantined: tuple[str, ...] = ()
+    sequences: dict[str, int] = field(default_factory=dict)
 
 
 def tag_limit(directory: Path) -> int:
@@ -173,7 +175,7 @@ def validate_name(name: object) -> str:
     return name
 
 
-def check_manifest(path: Path, manifest: Any) -> dict[str, Any]:
+def check_manifest(path: Path | str, manifest: Any) -> dict[str, Any]:
     """``manifest`` (parsed JSON) if it has the shape of one; else
     :class:`CorruptCheckpointError` naming ``path`` and what is wrong."""
 

@@ -10,7 +10,7 @@ renames and deletes act on the entry itself, never on what a link names. Trees a
 removed with ``shutil.rmtree``'s descriptor-based walk, which unlinks links and never
 enters them.
 
-Pure ``os``, no torch: the trainer's side (:mod:`._format`, :mod:`._load`) and the writer
+Pure ``os``, no torch: the trainer's side (:mod:`.format`, :mod:`.load`) and the writer
 process (:mod:`.writer`) both use it.
 """
 

@@ -35,7 +35,9 @@ __all__ = [
     "digest",
     "find_tag",
     "is_orphan",
+    "latest_bytes",
     "open_verified",
+    "parse_manifest",
     "read_latest",
     "read_manifest",
     "scan",
@@ -70,7 +72,9 @@ def _read_bounded(fd: int, path: Path, limit: int, what: str) -> bytes:
     return bytes(data)
 
 
-def _parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
+def parse_manifest(path: Path | str, data: bytes) -> dict[str, Any]:
+    """The manifest in ``data`` (read from ``path``: a file, or a remote object) if it has
+    the shape of one; else :class:`CorruptCheckpointError` naming ``path``."""
     try:
         manifest = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -98,7 +102,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         data = _read_bounded(fd, path, MAX_MANIFEST_BYTES, "a manifest")
     finally:
         os.close(fd)
-    return _parse_manifest(path, data)
+    return parse_manifest(path, data)
 
 
 def read_latest(directory: Path) -> str | None:
@@ -171,6 +175,17 @@ def verify_file(path: Path, entry: Mapping[str, Any], *, root: Path | None = Non
     if root is None:
         root = path.parent
     os.close(open_verified(root, path.relative_to(root).as_posix(), entry, True))
+
+
+def latest_bytes(directory: Path, found: Scan) -> int:
+    """The size of the checkpoint ``found`` says ``latest`` names (0: none, or unreadable)."""
+    if found.latest is None or found.latest not in found.tags:
+        return 0
+    try:
+        manifest = read_manifest(directory / found.latest / MANIFEST)
+    except (OSError, CheckpointError):
+        return 0
+    return sum(entry["bytes"] for entry in manifest["files"].values())
 
 
 def digest(path: Path) -> FileEntry:
@@ -258,4 +273,6 @@ def scan(directory: Path, *, clean: bool) -> Scan:
         logger.warning("ignoring %s: %s", directory / LATEST, exc)
         latest = None
     tags = [tag for _, tag in found]
-    return Scan(tags, found[-1][0] if found else 0, latest, metadata, tuple(quarantined))
+    last = found[-1][0] if found else 0
+    sequences = {tag: sequence for sequence, tag in found}
+    return Scan(tags, last, latest, metadata, tuple(quarantined), sequences)

@@ -1,6 +1,6 @@
 """The ``/dev/shm`` files aoffload makes: named by their owner, swept when it is dead.
 
-Staging segments (``aoffload-<pid>-<start>-<n>``, :mod:`._staging`) and the large values a
+Staging segments (``aoffload-<pid>-<start>-<n>``, :mod:`.staging`) and the large values a
 load hands over (``aoffload-load-<pid>-<n>``, ``writer/_loader.py``) are named after the
 process that made them, with its start time where the name has room for it, so that a
 SIGKILLed trainer's leftovers can be told from a live engine's: :func:`remove_dead` (run

@@ -1,8 +1,9 @@
 """How the ranks agree on the step to save at, once any of them got a preemption notice.
 
-The ranks meet through the engine's own store (:mod:`._ranks`), with keys
-``aoffload/<run>/preempt/...``, and only once a notice came: until then each rank's threads
-block on a key, which costs no traffic at all. Each rank has two threads, never the loop's:
+The ranks meet through the engine's own store (``ranks/rendezvous.py``), with keys
+``aoffload/<run>/preempt/...`` (``Keys.preemption``), and only once a notice came: until then
+each rank's threads block on a key, which costs no traffic at all. Each rank has two
+threads, never the loop's:
 
 - the *announcer* waits for this rank's notice (a signal or ``request()``), then sets every
   rank's ``wake/<rank>`` key with ``compare_set``: the first notice wins;
@@ -28,12 +29,15 @@ import datetime
 import json
 import logging
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from ..._errors import CheckpointError
-from ..ranks.rendezvous import Rendezvous, first_line
+from ..._errors import CheckpointError, first_line
+from ..ranks.keys import Keys
+
+if TYPE_CHECKING:
+    from ..ranks.rendezvous import Rendezvous
 
 __all__ = ["Agreement", "Party"]
 
@@ -61,31 +65,13 @@ class Party(Protocol):
         """The ranks cannot agree."""
 
 
-class _Keys:
-    """The store keys of run ``run``'s preemption notice."""
-
-    def __init__(self, run: str) -> None:
-        prefix = f"aoffload/{run}/preempt/"
-        self.count = prefix + "count"
-        self.agreed = prefix + "agreed"
-        self._prefix = prefix
-
-    def wake(self, rank: int) -> str:
-        """Set once: the notice (JSON) for ``rank``, or ``closed`` when it closed first."""
-        return f"{self._prefix}wake/{rank}"
-
-    def step(self, rank: int) -> str:
-        """The last step ``rank`` was told False for (``""``: none)."""
-        return f"{self._prefix}step/{rank}"
-
-
 class Agreement:
     """This rank's part in agreeing on a step with the other ranks; see the module."""
 
     def __init__(self, meet: Rendezvous, party: Party) -> None:
         self._meet = meet
         self._party = party
-        self._keys = _Keys(meet.run)
+        self._keys = Keys.preemption(meet.run)
         self._noticed = threading.Event()
         self._closed = False
         self._threads = [

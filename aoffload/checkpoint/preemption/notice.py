@@ -1,6 +1,6 @@
 """A preemption notice: every rank saves at one step, once any rank got a preemption signal.
 
-:meth:`~._engine.CheckpointEngine.preemption` makes one :class:`PreemptionNotice` per engine.
+:meth:`~aoffload.CheckpointEngine.preemption` makes one :class:`PreemptionNotice` per engine.
 Its signal handlers (:mod:`.._runtime.signals`) only take note, on the main thread, as soon as
 it runs Python again, even in the middle of a synchronous step. ``await notice.reached(step)``
 reads what was noted; without a notice it is a lock and two comparisons: no collective, no
@@ -9,7 +9,7 @@ network traffic, no suspension.
 **One process** (no ranks): ``reached(step)`` is True from the first call after the signal.
 
 **Several ranks** (``distributed=True``): the ranks agree on the first step every rank can
-still reach, on the notice's threads (:mod:`._agreement`), never on the event loop. A rank
+still reach, on the notice's threads (:mod:`.agreement`), never on the event loop. A rank
 is *frozen* once it knows of a notice (its own signal, seen by its next ``reached()``, or a
 peer's, seen by its watcher): from then on ``reached()`` never answers False before the
 agreement, which it may wait for a moment. Every rank then answers True from the agreed step
@@ -23,13 +23,16 @@ import logging
 import threading
 from collections.abc import Iterable
 from signal import SIGKILL, SIGSTOP, Signals
+from typing import TYPE_CHECKING
 
 from ..._errors import ClosedError, InvalidStateError
 from ..._runtime import signals as _signals
 from ..._runtime.handle import Handle
 from ..._runtime.threads import mark_retrieved, running_future
-from ..ranks.rendezvous import Rendezvous
 from .agreement import Agreement
+
+if TYPE_CHECKING:
+    from ..ranks.rendezvous import Rendezvous
 
 __all__ = ["PreemptionNotice", "signal_set"]
 
@@ -170,7 +173,7 @@ class PreemptionNotice:
         if self._ranks is not None:
             self._ranks.notice()
 
-    # -- the agreement's side (:class:`~._agreement.Party`) --------------------------------
+    # -- the agreement's side (:class:`~.agreement.Party`) --------------------------------
 
     def freeze(self) -> int | None:
         """Stop answering False; the last step answered False."""

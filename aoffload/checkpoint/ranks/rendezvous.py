@@ -1,15 +1,16 @@
 """Where the ranks of a distributed engine meet: its gloo group, the commit store, its keys.
 
-:class:`Rendezvous` is this rank's link to the others; :mod:`._distributed` runs the commit
-protocol over it. Coordination uses torch.distributed alone, and never runs on the event
-loop: the commit thread calls the store directly, on this rank's *control* connection, and
-a *waiter* thread blocks on a key until a peer sets it (:meth:`Rendezvous.wait_for`), on a
-connection of its own (a ``TCPStore`` client serialises its calls, so a blocked wait would
-hold up everything else on its connection).
+:class:`Rendezvous` is this rank's link to the others; :mod:`.commit` runs the commit
+protocol over it, ``remote/ranks.py`` the ranks' uploads and ``preemption/`` the agreement on
+a step, each under its own :class:`~.keys.Keys`. Coordination uses torch.distributed alone,
+and never runs on the event loop: the commit thread calls the store directly, on this
+rank's *control* connection, and a *waiter* thread blocks on a key until a peer sets it
+(:meth:`Rendezvous.wait_for`), on a connection of its own (a ``TCPStore`` client
+serialises its calls, so a blocked wait would hold up everything else on its connection).
 
 :meth:`Rendezvous.join` is the collective start. Every rank creates the engine's own gloo
 group (``new_group(backend="gloo")``, whatever backend the trainer uses). Rank 0 takes the
-directory lock (:mod:`._lock`) and scans the directory, removing leftovers of dead runs
+directory lock (``format/lock.py``) and scans the directory, removing leftovers of dead runs
 only when no other live engine holds the lock, then starts a ``TCPStore`` on a free port.
 One ``broadcast_object_list`` on the gloo group hands every rank the store's address, a
 run id and the scan, so every rank starts with the same catalog. The other ranks connect,
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import json
 import logging
 import os
 import socket
@@ -34,37 +34,15 @@ from ..._errors import CheckpointError
 from ..._runtime.threads import DaemonThreadExecutor
 from ..format import layout, read
 from ..format import lock as _lock
+from .keys import Keys
+from .reports import Answer, Report, encode
 
-__all__ = ["Keys", "Rendezvous", "first_line"]
+__all__ = ["Rendezvous"]
 
 logger = logging.getLogger(__name__)
 
 _PROBE_SECONDS = 2.0
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, not re-exported
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (its type's name if it has none)."""
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-class Keys:
-    """The store keys of commit ``n`` of run ``run``."""
-
-    def __init__(self, run: str, n: int) -> None:
-        self.run, self.n = run, n
-        self.prefix = f"aoffload/{run}/{n}/"
-        self.outcome = self.prefix + "outcome"
-        self.count = self.prefix + "count"
-        self.result = self.prefix + "result"
-
-    def report(self, rank: int) -> str:
-        """Where ``rank`` reports its files."""
-        return f"{self.prefix}report/{rank}"
-
-    def ack(self, rank: int) -> str:
-        """Where ``rank`` acknowledges the published result."""
-        return f"{self.prefix}ack/{rank}"
 
 
 class Rendezvous:
@@ -110,8 +88,7 @@ class Rendezvous:
         return self._waiter.submit(self._get, key, self.timeout)
 
     def _get(self, key: str, timeout: float) -> str:
-        self._waiting.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
-        return bytes(self._waiting.get(key)).decode()
+        return get(self._waiting, key, timeout)
 
     # -- join ---------------------------------------------------------------------------
 
@@ -186,39 +163,33 @@ class Rendezvous:
         """Set ``key`` to ``value``."""
         self._store.set(key, value)
 
-    def report(self, keys: Keys, report: str) -> bool:
+    def report(self, keys: Keys, report: Report) -> bool:
         """Post this rank's ``report`` and count it; whether it was the last to arrive."""
-        self._store.set(keys.report(self.rank), report)
+        self._store.set(keys.report(self.rank), encode(report))
         return int(self._store.add(keys.count, 1)) == self.world
 
     def missing(self, keys: Keys) -> list[int]:
-        """The ranks whose report of commit ``keys`` has not arrived."""
-        return [r for r in range(self.world) if not self._store.check([keys.report(r)])]
+        """The ranks whose report of ``keys`` has not arrived."""
+        return missing(self._store, keys, self.world)
 
-    def reports(self, keys: Keys) -> list[dict[str, Any]]:
+    def reports(self, keys: Keys) -> list[Report]:
         """Every rank's report of commit ``keys``, by rank."""
         values = self._store.multi_get([keys.report(r) for r in range(self.world)])
-        return [json.loads(bytes(value).decode()) for value in values]
+        return [Report.decode(bytes(value).decode()) for value in values]
 
-    def announce(self, keys: Keys, answer: str) -> None:
+    def announce(self, keys: Keys, answer: Answer, previous: Keys | None) -> None:
         """Rank 0: set the result of commit ``keys``; drop the keys of the commit before."""
-        self._store.set(keys.result, answer)
-        if keys.n == 0:
-            return
-        previous = Keys(keys.run, keys.n - 1)  # every rank is past it: drop its keys
-        for key in (previous.outcome, previous.count, previous.result):
-            self._store.delete_key(key)
-        for rank in range(self.world):
-            self._store.delete_key(previous.report(rank))
-            self._store.delete_key(previous.ack(rank))
+        self._store.set(keys.result, encode(answer))
+        if previous is not None:  # every rank is past it
+            for key in previous.spent(self.world):
+                self._store.delete_key(key)
 
     def wait_acks(self, keys: Keys, seconds: float) -> None:
-        """Rank 0: wait until every other rank acknowledged commit ``keys``.
+        """Rank 0: wait until every other rank acknowledged ``keys``' result.
 
         Raises ``torch.distributed.DistError`` after ``seconds``.
         """
-        acks = [keys.ack(rank) for rank in range(1, self.world)]
-        self._store.wait(acks, datetime.timedelta(seconds=seconds))
+        wait_acks(self._store, keys, self.world, seconds)
 
     def store_alive(self) -> bool:
         """Whether rank 0's store still takes connections (always, on rank 0).
@@ -253,3 +224,26 @@ class Rendezvous:
                     waiter.shutdown(wait=False)  # it may still block on a key nobody sets
                 if self._lock is not None:
                     self._lock.release()
+
+
+# -- on a connection of the caller's (a thread that blocks on its own) ------------------------
+
+
+def get(store: Any, key: str, seconds: float) -> str:
+    """The value of ``key`` once set, waited for at most ``seconds`` on ``store``;
+    ``torch.distributed.DistStoreError`` after that."""
+    store.set_timeout(datetime.timedelta(seconds=max(seconds, 0.001)))
+    return bytes(store.get(key)).decode()
+
+
+def missing(store: Any, keys: Keys, world: int) -> list[int]:
+    """The ranks whose report of ``keys`` has not arrived."""
+    return [rank for rank in range(world) if not store.check([keys.report(rank)])]
+
+
+def wait_acks(store: Any, keys: Keys, world: int, seconds: float) -> None:
+    """Wait until every rank but 0 acknowledged ``keys``' result (``DistError`` after
+    ``seconds``)."""
+    if world > 1:
+        acks = [keys.ack(rank) for rank in range(1, world)]
+        store.wait(acks, datetime.timedelta(seconds=seconds))

@@ -23,14 +23,16 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import AoffloadError
-from ..._runtime.core import WorkerCore
-from ..core.tags import FileJob, OpenTag
 from ..format import layout, write
-from ..writer.calls import FileRecord
 from .worker.calls import AwaitFiles, Discard, StartFiles
+
+if TYPE_CHECKING:
+    from ..._runtime.core import WorkerCore
+    from ..core.tags import FileJob, OpenTag
+    from ..writer.calls import FileRecord
 
 __all__ = ["EarlyFiles"]
 

@@ -1,6 +1,6 @@
 """What the command line shows of a remote tier: ``aoffload ls|verify|inspect URL``.
 
-The same functions as :mod:`._inspect`, for a URL instead of a directory. They read the
+The same functions as :mod:`.inspect`, for a URL instead of a directory. They read the
 remote tier through :class:`~.remote._store.RemoteStore` on threads (the command line is
 not a trainer: no uploader process is needed), with credentials from the environment and
 fsspec's configuration. ``verify`` streams each file through xxh3-64 without storing it;

@@ -1,20 +1,23 @@
-"""The remote tier of one engine, on the trainer's side: uploads the engine owns.
+"""The remote tier of one engine: uploads the engine owns, in commit order.
 
 ``CheckpointEngine(directory, remote=URL)`` keeps ``directory`` as the fast tier: a commit
 is durable there, as without a remote tier. Each committed tag is then uploaded in the
-background, in commit order, by :class:`RemoteTier`:
+background, in commit order, by :class:`RemoteTier`, the engine's
+:class:`~..core.roles.Tier`:
 
 ===================  ==============================================================
 thread / process     work
 ===================  ==============================================================
-the commit thread    on a successful commit, hands the tag to the upload thread
+the caller's         ``commit()``: :meth:`RemoteTier.follow` makes the upload's future
+the commit thread    with ``early_uploads``, watches each file (:mod:`.early`); on a
+                     successful commit, hands the tag to the upload thread
 upload thread        one tag at a time: asks the uploader for the files, then the
                      manifest, then ``latest``, then remote retention; with several
-                     ranks, the protocol of :mod:`._spread` over the commit store
-uploader process     the transfers themselves (:mod:`.remote`): concurrent files,
+                     ranks, the protocol of :mod:`.ranks` over the commit store
+uploader process     the transfers themselves (``worker/``): concurrent files,
                      multipart parts, retries with backoff
 load thread          a file found only in the remote tier: downloaded, verified
-                     against the manifest, cached (:mod:`._resume`)
+                     against the manifest, cached (:meth:`.uploader.Uploader.source`)
 ===================  ==============================================================
 
 Nothing here runs on the event loop or on the trainer's threads; the loop only learns that
@@ -31,50 +34,33 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..._errors import (
-    AoffloadError,
-    CheckpointError,
-    ClosedError,
-    CorruptCheckpointError,
-    InvalidStateError,
-    RemoteError,
-)
-from ..._runtime.core import WorkerCore
-from ..._runtime.protocol import Call
+from ..._errors import AoffloadError, CheckpointError, ClosedError, InvalidStateError
 from ..._runtime.threads import DaemonThreadExecutor, mark_retrieved, running_future
-from ..core.commit import CommitResult
-from ..core.tags import OpenTag
+from ..core.result import CommitResult, result_of
 from ..format import layout
 from .early import EarlyFiles
-from .resume import merge, result_of
-from .worker import TARGET
-from .worker.calls import (
-    AwaitFiles,
-    Discard,
-    PutText,
-    ReadManifest,
-    RemoveTags,
-    ScanRemote,
-    StartFiles,
-    UploaderConfig,
-)
-from .worker.store import BACKOFF, is_url, redact_url
+from .uploader import Uploader, merge
+from .worker.calls import AwaitFiles, Discard, PutText, RemoveTags, StartFiles
 
 if TYPE_CHECKING:
-    from .ranks import SpreadRanks
+    from ..core.retention import Retention
+    from ..core.roles import Owner, Published
+    from ..core.tags import OpenTag
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "Spread"]
 
 logger = logging.getLogger(__name__)
 
 _KEEP_FUTURES = 64
 
-
 _settling = threading.Lock()
+
+Files = tuple[tuple[str, str, int], ...]
+"""Files to upload: (local path, name in the tag, bytes per the manifest)."""
 
 
 def _nothing() -> None:
@@ -94,89 +80,62 @@ def _settle(
             future.set_exception(error)
 
 
-def _done(value: Any) -> concurrent.futures.Future[Any]:
-    future: concurrent.futures.Future[Any] = running_future()
-    future.set_result(value)
-    return future
+class Spread(Protocol):
+    """The upload of a tag whose files lie on several ranks (:mod:`.ranks`)."""
+
+    def upload(
+        self, tier: RemoteTier, tag: str, published: Published, latest: bool, early: EarlyFiles
+    ) -> None:
+        """Upload this rank's files of ``tag``; one rank publishes once every rank has
+        (blocking: the upload thread). Raises on every rank when any rank's upload failed."""
 
 
 class RemoteTier:
-    """The remote tier of one engine: its uploader process and its uploads, in commit order.
+    """The remote tier of one engine: its uploader and its uploads, in commit order.
 
-    ``spawn()``, then ``join()`` (waits for the uploader, scans the remote tier) at the
-    engine's start; :meth:`follow` for every commit; :meth:`close` at its end.
+    ``retention`` retires remote tags (only those older than the newest tag this engine
+    published); ``timeout`` (``upload_timeout``) bounds the close's wait for the uploads
+    in flight; ``early`` starts each file's upload once it is durable; ``spread`` uploads
+    the files of several ranks (``None``: this process holds every file).
     """
 
     def __init__(
         self,
-        directory: Path,
-        url: object,
-        storage_options: Mapping[str, Any] | None,
+        uploader: Uploader,
         *,
-        keep_last: int | None,
-        upload_timeout: float,
-        close_timeout: float,
-        upload_backoff: float = BACKOFF[0],
+        retention: Retention,
+        start_timeout: float,
+        timeout: float,
         early: bool = False,
+        spread: Spread | None = None,
     ) -> None:
-        if not is_url(url):
-            raise ValueError(f"remote must be an fsspec URL such as 's3://bucket/run', not {url!r}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError("storage_options must be a mapping (fsspec's options for the URL)")
-        if not upload_timeout > 0:
-            raise ValueError(f"upload_timeout must be > 0 seconds, not {upload_timeout!r}")
-        if not 0 <= upload_backoff <= BACKOFF[1]:
-            raise ValueError(
-                f"upload_backoff must be between 0 and {BACKOFF[1]:g} seconds, "
-                f"not {upload_backoff!r}"
-            )
-        self.directory = directory
-        self.url = redact_url(str(url))
-        self.timeout = upload_timeout
+        self.uploader = uploader
+        self.directory = uploader.directory
+        self.url = uploader.url
+        self.timeout = timeout
         self.early = early
         """Whether each file's upload starts as soon as it is durable (before the commit ends)."""
-        self._keep_last = keep_last
-        config = UploaderConfig(str(url), dict(storage_options or {}), backoff=upload_backoff)
-        self.uploader = WorkerCore(
-            TARGET, config, name="checkpoint-uploader", close_timeout=close_timeout
-        )
-        self.ranks: SpreadRanks | None = None
-        """The distributed protocol (:class:`._spread.SpreadRanks`), set by the engine."""
+        self._retention = retention
+        self._start_timeout = start_timeout
+        self._spread = spread
         self._lock = threading.Lock()
         self._futures: collections.OrderedDict[str, concurrent.futures.Future[CommitResult]] = (
             collections.OrderedDict()
         )
-        self._manifests: dict[str, dict[str, Any]] = {}
-        self.latest: str | None = None
-        """The tag the remote ``latest`` names, as of the scan and this engine's uploads."""
         self._thread: DaemonThreadExecutor | None = None
         self._newest = 0  # the sequence of the newest tag this engine published
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        """Start the uploader process (its start overlaps the writer's)."""
+        """Start the uploader process (its start overlaps the directory's scan)."""
         self.uploader.spawn()
 
-    def join(self, timeout: float, local: layout.Scan) -> layout.Scan:
+    def join(self, local: layout.Scan) -> layout.Scan:
         """Wait for the uploader, scan the remote tier; both tiers' tags (blocking)."""
-        try:
-            self.uploader.ready.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise self.uploader.startup_timeout(timeout) from None
-        scan = self.call(ScanRemote(), f"could not list the remote tier {self.url}")
-        with self._lock:
-            self._manifests, self.latest = dict(scan.manifests), scan.latest
+        scan = self.uploader.join(self._start_timeout)
         self._thread = DaemonThreadExecutor("aoffload-upload")
-        return merge(local, self.directory, scan)
-
-    def call(self, call: Call[Any], what: str) -> Any:
-        """Run ``call`` in the uploader (blocking); its errors as :class:`CheckpointError`."""
-        try:
-            return self.uploader.request(call)
-        except RemoteError as exc:
-            kind = CorruptCheckpointError if "Corrupt" in exc.remote_type else CheckpointError
-            raise kind(f"{what}: {exc.remote_message}") from None
+        return merge(local, scan)
 
     def close(self) -> None:
         """Wait for the uploads in flight (at most ``upload_timeout`` in all), then stop the
@@ -198,78 +157,21 @@ class RemoteTier:
                 self.url,
                 self.timeout,
             )
-        for tag, future in self._late(late):
+        with self._lock:
+            abandoned = [(tag, f) for tag, f in self._futures.items() if f in late]
+        for tag, future in abandoned:
             _settle(future, None, self._failed(tag, ClosedError()))
         try:
-            if late:
-                self.uploader.kill()  # it may hang on a dead endpoint: no graceful drain
-            self.uploader.stop()
-            self.uploader.release()
+            self.uploader.close(kill=bool(late))  # a hung upload: no graceful drain
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
 
-    def _late(
-        self, late: set[concurrent.futures.Future[CommitResult]]
-    ) -> list[tuple[str, concurrent.futures.Future[CommitResult]]]:
-        with self._lock:
-            return [(tag, future) for tag, future in self._futures.items() if future in late]
+    # -- the engine's questions ------------------------------------------------------------
 
-    # -- uploads ---------------------------------------------------------------------------
-
-    def follow(
-        self,
-        open_tag: OpenTag,
-        commit: concurrent.futures.Future[CommitResult],
-        latest: bool,
-        own: Callable[[concurrent.futures.Future[Any]], None],
-        seen: Callable[[concurrent.futures.Future[Any]], None],
-    ) -> Callable[[], None]:
-        """Upload ``open_tag``: each file once it is durable (:mod:`._early`), publish once
-        ``commit`` succeeds; ``own`` the upload's future then. Returns what starts the
-        early uploads, for the commit thread to run (it makes links: no I/O on the loop).
-
-        The upload's future is owned from the start, before anyone can wait on it, so its
-        failure is recorded before a waiter wakes. A failed commit fails it with the
-        commit's error, marked ``seen`` (the commit's own future reports it: never twice),
-        and what was sent is removed.
-        """
-        tag = open_tag.tag
-        early = EarlyFiles(self.directory, open_tag, self.uploader)
-        upload: concurrent.futures.Future[CommitResult] = running_future()
-        upload.add_done_callback(mark_retrieved)
-        with self._lock:
-            self._futures[tag] = upload
-            self._futures.move_to_end(tag)
-            while len(self._futures) > _KEEP_FUTURES:
-                oldest = next(iter(self._futures))
-                if not self._futures[oldest].done():
-                    break
-                del self._futures[oldest]
-
-        own(upload)
-
-        def committed(future: concurrent.futures.Future[CommitResult]) -> None:
-            error = future.exception()
-            if error is not None:
-                seen(upload)
-                upload.set_exception(error)
-            thread = self._thread
-            try:
-                if thread is None:
-                    raise RuntimeError("not started")
-                if error is not None:
-                    thread.submit(early.abandon)
-                else:
-                    thread.submit(self._upload, tag, future.result(), latest, upload, early)
-            except RuntimeError:
-                early.remove()
-                if error is None:
-                    closed = ClosedError(f"the engine closed before uploading {tag!r}")
-                    upload.set_exception(closed)
-
-        commit.add_done_callback(committed)
-        return lambda: early.watch(list(open_tag.files.values()))
+    def follow(self, open_tag: OpenTag, latest: bool, owner: Owner) -> _Upload:
+        """Upload ``open_tag`` once its commit succeeds (:class:`_Upload`)."""
+        return _Upload(self, open_tag, latest, owner)
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[CommitResult]:
         """The future of ``tag``'s upload (default: the newest commit of this engine)."""
@@ -279,11 +181,13 @@ class RemoteTier:
                     raise InvalidStateError("this engine has committed nothing to upload")
                 tag = next(reversed(self._futures))
             future = self._futures.get(tag)
-            manifest = self._manifests.get(tag)
         if future is not None:
             return future
+        manifest = self.uploader.manifests().get(tag)
         if manifest is not None:
-            return _done(result_of(self.directory, manifest))
+            done: concurrent.futures.Future[CommitResult] = running_future()
+            done.set_result(result_of(self.directory, manifest))
+            return done
         raise InvalidStateError(
             f"checkpoint {tag!r} was not committed by this engine, and {self.url} has no "
             "published checkpoint of that name"
@@ -295,17 +199,49 @@ class RemoteTier:
             future = self._futures.get(tag)
         return future if future is not None and not future.done() else None
 
+    def source(
+        self, name: str, tag: str | None, latest: str | None, known: list[str]
+    ) -> tuple[Path, str | None, bool]:
+        """Where to load file ``name`` of ``tag`` (default: ``latest``, the newest of both
+        tiers) from: the local tier, or the cache a download fills (blocking)."""
+        tag = tag if tag is not None else latest
+        if tag is None:
+            raise CheckpointError(
+                f"neither {self.directory} nor {self.url} holds a committed checkpoint"
+            )
+        tag = layout.validate_tag(tag)
+        root, fresh = self.uploader.source(name, tag, known)
+        return root, tag, fresh
+
+    # -- uploads (the upload thread) -------------------------------------------------------
+
+    def _track(self, tag: str, upload: concurrent.futures.Future[CommitResult]) -> None:
+        with self._lock:
+            self._futures[tag] = upload
+            self._futures.move_to_end(tag)
+            while len(self._futures) > _KEEP_FUTURES:
+                oldest = next(iter(self._futures))
+                if not self._futures[oldest].done():
+                    break
+                del self._futures[oldest]
+
+    def _submit(self, work: Callable[..., None], *args: Any) -> None:
+        """Run ``work`` on the upload thread; :class:`RuntimeError` once it is gone."""
+        if self._thread is None:
+            raise RuntimeError("not started")
+        self._thread.submit(work, *args)
+
     def _upload(
         self,
         tag: str,
-        result: CommitResult,
+        published: Published,
         latest: bool,
         upload: concurrent.futures.Future[CommitResult],
         early: EarlyFiles,
     ) -> None:
         try:
-            if self.ranks is not None:
-                self.ranks.upload(tag, latest, self, early)
+            if self._spread is not None:
+                self._spread.upload(self, tag, published, latest, early)
             else:
                 local = self.directory / tag
                 text = (local / layout.MANIFEST).read_text(encoding="utf-8")
@@ -319,7 +255,7 @@ class RemoteTier:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the upload
             _settle(upload, None, self._failed(tag, exc))
         else:
-            _settle(upload, result, None)
+            _settle(upload, published.result, None)
             self.retire()  # after: retention is not part of the publication
 
     def _failed(self, tag: str, exc: BaseException) -> BaseException:
@@ -330,69 +266,96 @@ class RemoteTier:
         elif not isinstance(exc, CheckpointError):
             return exc
         where = self.directory / tag
-        with self._lock:
-            latest = self.latest
         error = type(exc)(
             f"checkpoint {tag!r} was not published in {self.url}: {exc}; it is committed "
-            f"locally in {where}, and the remote {layout.LATEST!r} still names {latest!r}"
+            f"locally in {where}, and the remote {layout.LATEST!r} still names "
+            f"{self.uploader.latest!r}"
         )
         logger.error("%s", error)
         return error
 
-    def put_files(
-        self, tag: str, files: tuple[tuple[str, str, int], ...], early: EarlyFiles | None
-    ) -> None:
-        """Upload ``files`` (local path, name, bytes) into ``tag``: those ``early`` has not
-        started yet, then wait for all of them (blocking)."""
+    def put_files(self, tag: str, files: Files, early: EarlyFiles | None) -> None:
+        """Upload ``files`` into ``tag``: those ``early`` has not started yet, then wait for
+        all of them (blocking)."""
         if early is not None:
-            early.upload(files, self.call)
+            early.upload(files, self.uploader.call)
         elif files:
-            self.call(StartFiles(tag, files), f"could not upload {tag!r}")
-            self.call(AwaitFiles(tag), f"could not upload {tag!r}")
+            self.uploader.call(StartFiles(tag, files), f"could not upload {tag!r}")
+            self.uploader.call(AwaitFiles(tag), f"could not upload {tag!r}")
 
     def discard(self, tag: str, names: tuple[str, ...]) -> None:
         """Remove this rank's uploaded files of ``tag``, which will never be published."""
         if names:
             try:
-                self.call(Discard(tag, names), f"could not remove the files of {tag!r}")
+                self.uploader.call(Discard(tag, names), f"could not remove the files of {tag!r}")
             except AoffloadError as exc:  # the uploader died: a leftover nobody reads
                 logger.warning("%s", exc)
 
     def publish(self, tag: str, manifest: dict[str, Any], text: str, latest: bool) -> None:
-        """Every file is uploaded: write the manifest, then ``latest``; retire old tags."""
-        self.call(PutText((tag, layout.MANIFEST), text), f"could not publish {tag!r}")
+        """Every file is uploaded: write the manifest, then ``latest``."""
+        call = self.uploader.call
+        call(PutText((tag, layout.MANIFEST), text), f"could not publish {tag!r}")
         if latest:
-            self.call(PutText((layout.LATEST,), tag + "\n"), "could not move latest")
-        with self._lock:
-            self._manifests[tag] = manifest
-            if latest:
-                self.latest = tag
+            call(PutText((layout.LATEST,), tag + "\n"), "could not move latest")
+        self.uploader.published(tag, manifest, latest)
         logger.info("checkpoint %s published in %s", tag, self.url)
         self._newest = max(self._newest, int(manifest["sequence"]))
 
     def retire(self) -> None:
-        """Remote retention: remove the oldest tags beyond ``keep_last``, all older than the
-        newest tag this engine published (rank 0's upload thread, after a publication)."""
-        if self._keep_last is None:
-            return
-        with self._lock:
-            ordered = sorted((int(m["sequence"]), t) for t, m in self._manifests.items())
-            old = [t for s, t in ordered[: -self._keep_last] if s < self._newest]
+        """Remote retention: remove the tags retention retires, all older than the newest
+        tag this engine published (rank 0's upload thread, after a publication)."""
+        ordered = sorted((int(m["sequence"]), t) for t, m in self.uploader.manifests().items())
+        sequence = {tag: number for number, tag in ordered}
+        retired = self._retention.retired([tag for _, tag in ordered])
+        old = [tag for tag in retired if sequence[tag] < self._newest]
         if not old:
             return
         try:
-            self.call(RemoveTags(tuple(old)), "retention could not remove old checkpoints")
+            self.uploader.call(RemoveTags(tuple(old)), "retention could not remove old checkpoints")
         except AoffloadError:
             logger.exception("remote retention failed; the old tags stay in %s", self.url)
             return
-        with self._lock:
-            for tag in old:
-                self._manifests.pop(tag, None)
+        self.uploader.forget(old)
 
-    def manifest(self, tag: str) -> dict[str, Any]:
-        """The remote manifest of ``tag`` (read from the remote tier if not known here)."""
-        with self._lock:
-            manifest = self._manifests.get(tag)
-        if manifest is None:
-            manifest = self.call(ReadManifest(tag), f"could not read checkpoint {tag!r}")
-        return manifest
+
+class _Upload:
+    """The upload of one commit (the tier's :class:`~..core.roles.Follower`).
+
+    Its future is owned from the start, before anyone can wait on it, so its failure is
+    recorded before a waiter wakes. A failed commit fails it with the commit's error,
+    marked seen (the commit's own future reports it: never twice), and what was sent early
+    is removed.
+    """
+
+    def __init__(self, tier: RemoteTier, open_tag: OpenTag, latest: bool, owner: Owner) -> None:
+        self._tier, self._open_tag, self._latest, self._owner = tier, open_tag, latest, owner
+        self.tag = open_tag.tag
+        self._early = EarlyFiles(tier.directory, open_tag, tier.uploader.core)
+        self.future: concurrent.futures.Future[CommitResult] = running_future()
+        self.future.add_done_callback(mark_retrieved)
+        tier._track(self.tag, self.future)
+        owner.own(self.future)
+
+    def early(self) -> None:
+        """With ``early_uploads``: each file's upload starts once it is durable."""
+        if self._tier.early:
+            self._early.watch(list(self._open_tag.files.values()))
+
+    def committed(self, published: Published) -> None:
+        """The commit succeeded: the upload thread uploads the tag."""
+        try:
+            tier = self._tier
+            tier._submit(tier._upload, self.tag, published, self._latest, self.future, self._early)
+        except RuntimeError:
+            self._early.remove()
+            closed = ClosedError(f"the engine closed before uploading {self.tag!r}")
+            self.future.set_exception(closed)
+
+    def failed(self, error: BaseException) -> None:
+        """The commit failed: so does the upload; what was sent early is removed."""
+        self._owner.commit_seen(self.future)
+        self.future.set_exception(error)
+        try:
+            self._tier._submit(self._early.abandon)
+        except RuntimeError:
+            self._early.remove()

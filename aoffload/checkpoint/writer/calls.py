@@ -14,7 +14,11 @@ import torch
 
 from ..._runtime.protocol import Call
 
+TARGET = "aoffload.checkpoint.writer.service:WriterService"
+"""The name a bridge spawns the writer by (a name: importing the calls imports no service)."""
+
 __all__ = [
+    "TARGET",
     "FileRecord",
     "LoadFile",
     "LoadedFile",
@@ -98,19 +102,19 @@ class SyncTree(Call[None]):
 
 @dataclass(frozen=True, slots=True)
 class WatchRank(Call[None]):
-    """If the trainer dies before it disarms this (``run=""``), tell the other ranks.
+    """If the trainer dies before it disarms this (``keys=()``), tell the other ranks.
 
     A distributed engine's writer outlives a SIGKILLed trainer by a moment (it sees its
-    request pipe close): it then sets the outcome of commits ``n`` and ``n + 1`` of
-    ``run`` in the commit store at ``host:port`` to "rank ``rank``'s trainer died", so
-    the peers' ``commit()`` raises at once instead of after ``commit_timeout``.
+    request pipe close): it then sets each of ``keys`` in the commit store at
+    ``host:port`` to ``value`` unless a verdict is there already, so the peers'
+    ``commit()`` raises at once instead of after ``commit_timeout``. The trainer's side
+    chooses the keys (the outcomes of its next commits) and the words.
     """
 
     host: str = ""
     port: int = 0
-    run: str = ""
-    rank: int = 0
-    n: int = 0
+    keys: tuple[str, ...] = ()
+    value: str = ""
 
 
 @dataclass(frozen=True, slots=True)

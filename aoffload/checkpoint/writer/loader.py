@@ -4,9 +4,9 @@ torch's weights-only unpickler decodes a large non-tensor value (a 64 MB ``bytes
 single long calls that hold the GIL, which would stall the trainer's event loop whatever
 thread runs them. Such a file is loaded here instead: :func:`load_in_worker` runs
 ``torch.load(weights_only=True, mmap=True)`` and describes the state for the trainer
-(:class:`~._calls.LoadedFile`): tensors by where their storage lies in the file, large
+(:class:`~.calls.LoadedFile`): tensors by where their storage lies in the file, large
 ``bytes`` values left in ``/dev/shm`` files. The trainer rebuilds the state from that
-(``checkpoint/_load.py``).
+(``checkpoint/core/load.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..._errors import CheckpointError
+from ..format.shm import SHM_DIR
 from .calls import LoadedFile, LoadFile
 
 __all__ = ["BLOB_PREFIX", "load_in_worker", "unlink_all"]
@@ -28,7 +29,6 @@ __all__ = ["BLOB_PREFIX", "load_in_worker", "unlink_all"]
 BLOB_PREFIX = "aoffload-load-"
 """The ``/dev/shm`` name prefix of the large values a load hands over."""
 _BLOB = 1 << 20  # a bytes value this large travels through /dev/shm
-_SHM_DIR = "/dev/shm"
 _numbers = itertools.count()
 
 
@@ -72,7 +72,7 @@ class _Skeleton(pickle.Pickler):
             return ("tensor", at, nbytes, obj.dtype, tuple(obj.shape), obj.stride(),
                     obj.storage_offset(), obj.requires_grad, parameter)  # fmt: skip
         if type(obj) is bytes and len(obj) >= _BLOB:
-            blob = f"{_SHM_DIR}/{BLOB_PREFIX}{os.getpid()}-{next(_numbers)}"
+            blob = f"{SHM_DIR}/{BLOB_PREFIX}{os.getpid()}-{next(_numbers)}"
             fd = os.open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             self._blobs.append(blob)
             try:

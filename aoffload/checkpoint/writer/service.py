@@ -1,13 +1,13 @@
 """The checkpoint writer: a worker service that turns staged tensors into durable files.
 
-It maps each staging segment once (:class:`~._calls.MapSegment`); per file it receives only
-a :class:`~._calls.WriteFile`: the file name, where the pickled non-tensor skeleton of the
-state lies and one :class:`~._calls.TensorRecord` per tensor. It rebuilds the tensors as
+It maps each staging segment once (:class:`~.calls.MapSegment`); per file it receives only
+a :class:`~.calls.WriteFile`: the file name, where the pickled non-tensor skeleton of the
+state lies and one :class:`~.calls.TensorRecord` per tensor. It rebuilds the tensors as
 views on the shared memory and calls :func:`torch.save` on them (so the file is a plain
 ``torch.save`` file), with torch's per-record CRC32 turned off (the manifest's xxh3-64 of
-the whole file, computed while writing, replaces it) into a :class:`~._sink.Sink` that
+the whole file, computed while writing, replaces it) into a :class:`~.sink.Sink` that
 writes large blocks, with ``O_DIRECT`` where the filesystem supports it, then fsyncs. It
-also loads a file for the trainer when its pickle is large (:mod:`._loader`).
+also loads a file for the trainer when its pickle is large (:mod:`.loader`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..._runtime.protocol import Call
-from ..._runtime.serve import Handler, Service, target
+from ..._runtime.serve import Handler, Service
 from ..._runtime.threads import DaemonThreadExecutor, background_policy
 from .calls import (
     FileRecord,
@@ -43,7 +43,7 @@ from .loader import load_in_worker, unlink_all
 from .sink import Sink, open_for_write
 from .watch import announce_death
 
-__all__ = ["TARGET", "WriterService"]
+__all__ = ["WriterService"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class WriterService(Service):
         self._segments: dict[str, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}
         self._bounce: mmap.mmap | None = None
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
-        self._watch = WatchRank()  # armed (a run) while a distributed trainer may die
+        self._watch = WatchRank()  # armed (keys) while a distributed trainer may die
         background_policy()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
         torch.serialization.set_crc32_options(False)
@@ -161,7 +161,7 @@ class WriterService(Service):
     def close(self) -> None:
         """Unmap every staging segment; remove what loads left that the trainer never read;
         if the trainer died with its rank's watch armed, tell the other ranks first."""
-        if self._watch.run:  # the trainer went without disarming it: it died
+        if self._watch.keys:  # the trainer went without disarming it: it died
             announce_death(self._watch)
         unlink_all(self._blobs)
         while self._segments:
@@ -173,7 +173,3 @@ class WriterService(Service):
         if self._bounce is not None:
             with contextlib.suppress(BufferError):
                 self._bounce.close()
-
-
-TARGET = target(WriterService)
-"""The name a bridge spawns the service by."""

@@ -1,15 +1,15 @@
-"""The writer's last word for a distributed trainer that died (:class:`~._calls.WatchRank`).
+"""The writer's last word for a distributed trainer that died (:class:`~.calls.WatchRank`).
 
 Runs in the writer process once its trainer is gone (its request pipe closed without a
-shutdown): nobody reads the writer's log any more, so nothing here logs or raises.
+shutdown): nobody reads the writer's log any more, so nothing here logs or raises. What
+to say, and where, the trainer chose when it armed the watch: the writer knows nothing
+of the ranks' protocol.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
-import os
 
 from .calls import WatchRank
 
@@ -19,19 +19,10 @@ _STORE_SECONDS = 5.0
 
 
 def announce_death(watch: WatchRank) -> None:
-    """Set the outcome of commits ``n`` and ``n + 1`` to this rank's death (first verdict
-    wins: a commit already decided is left alone); silent if the store is gone."""
+    """Set each of ``watch.keys`` to ``watch.value`` (the first verdict wins: a commit
+    already decided is left alone); silent if the store is gone."""
     import torch.distributed as dist
 
-    from ..ranks.rendezvous import Keys
-
-    message = json.dumps(
-        {
-            "rank": watch.rank,
-            "error": f"its trainer process died (its checkpoint writer, pid {os.getpid()}, "
-            "saw it go)",
-        }
-    )
     with contextlib.suppress(Exception):
         store = dist.TCPStore(  # type: ignore[attr-defined]
             watch.host,
@@ -40,5 +31,5 @@ def announce_death(watch: WatchRank) -> None:
             False,
             timeout=datetime.timedelta(seconds=_STORE_SECONDS),
         )
-        for n in (watch.n, watch.n + 1):
-            store.compare_set(Keys(watch.run, n).outcome, "", message)
+        for key in watch.keys:
+            store.compare_set(key, "", watch.value)

@@ -10,19 +10,57 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...._runtime.protocol import Call
-from .store import BACKOFF, RETRIES, RemoteScan, redact_url
+
+TARGET = "aoffload.checkpoint.remote.worker.service:UploaderService"
+"""The name a bridge spawns the uploader by (a name: importing the calls imports no service)."""
+RETRIES = 4
+"""Retries of a failed transient operation (so five attempts), with backoff."""
+BACKOFF = (0.5, 8.0)
+"""The first delay between attempts, doubled each time up to the second (seconds)."""
 
 __all__ = [
+    "BACKOFF",
+    "RETRIES",
+    "TARGET",
     "Discard",
     "Fetch",
     "AwaitFiles",
     "StartFiles",
     "PutText",
-    "ReadManifest",
+    "GetManifest",
+    "RemoteScan",
     "RemoveTags",
     "ScanRemote",
     "UploaderConfig",
+    "redact_url",
 ]
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user information and query string (where credentials hide)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    host, slash, path = rest.partition("/")
+    host = host.rpartition("@")[2]
+    path = path.partition("?")[0]
+    return f"{scheme}://{host}{slash}{path}"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteScan:
+    """What a remote tier holds: each published tag's manifest, and ``latest``."""
+
+    manifests: dict[str, dict[str, Any]]
+    latest: str | None
+
+    def sequences(self) -> dict[str, int]:
+        """Every published tag's sequence number."""
+        return {tag: int(m["sequence"]) for tag, m in self.manifests.items()}
+
+    def tags(self) -> list[str]:
+        """The published tags, oldest first (by sequence)."""
+        return [tag for _, tag in sorted((s, t) for t, s in self.sequences().items())]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +138,7 @@ class Fetch(Call[None]):
 
 
 @dataclass(frozen=True, slots=True)
-class ReadManifest(Call[dict[str, Any]]):
+class GetManifest(Call[dict[str, Any]]):
     """The manifest of published ``tag``."""
 
     tag: str

@@ -9,7 +9,7 @@ sends share that thread with the preparations; ``s3fs.put`` of a list does the s
 
 A lane is a thread running an event loop of its own, with its own instance of the
 filesystem (its own client and connections), made the first time an upload thread of
-:mod:`._service` sends a file: every upload thread has its lane, so files in flight are
+:mod:`.service` sends a file: every upload thread has its lane, so files in flight are
 prepared on several cores at once (hashlib, zlib and the socket calls release the GIL).
 The requests are s3fs's own (``put_file``: one PUT below its multipart threshold,
 concurrent parts above it); only where they are prepared changes. A filesystem that is not

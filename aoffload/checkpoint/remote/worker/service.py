@@ -1,10 +1,10 @@
 """The uploader: a worker service that moves checkpoints between the local and remote tiers.
 
-It serves the calls of :mod:`._calls` one at a time, in order, on the
-:class:`~._store.RemoteStore` it builds from its configuration. A :class:`~._calls.StartFiles`
+It serves the calls of :mod:`.calls` one at a time, in order, on the
+:class:`~.store.RemoteStore` it builds from its configuration. A :class:`~.calls.StartFiles`
 starts its files' uploads on a pool of threads (``concurrency`` at once) and is answered at
-once; :class:`~._calls.AwaitFiles` waits for them. Each goes through fsspec's
-``put_file`` on its thread's own event loop (:mod:`._lanes`), which sends a large file as a
+once; :class:`~.calls.AwaitFiles` waits for them. Each goes through fsspec's
+``put_file`` on its thread's own event loop (:mod:`.lanes`), which sends a large file as a
 multipart upload with concurrent parts where the backend has them (s3fs: from 2 x 50 MiB,
 ``max_concurrency`` parts in flight); a reader of the remote tier never sees a file
 half-written. The process runs as background
@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...._runtime.protocol import Call
-from ...._runtime.serve import Handler, Service, target
+from ...._runtime.serve import Handler, Service
 from ...._runtime.threads import background_policy
 from .calls import (
     AwaitFiles,
     Discard,
     Fetch,
+    GetManifest,
     PutText,
-    ReadManifest,
     RemoveTags,
     ScanRemote,
     StartFiles,
@@ -35,7 +35,7 @@ from .calls import (
 )
 from .store import Redactor, RemoteStore
 
-__all__ = ["TARGET", "UploaderService"]
+__all__ = ["UploaderService"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class UploaderService(Service):
             RemoveTags: self._remove,
             Fetch: self._fetch,
             Discard: lambda call: self._store.discard(call.tag, call.names),
-            ReadManifest: lambda call: self._store.read_manifest(call.tag),
+            GetManifest: lambda call: self._store.manifest(call.tag),
         }
 
     def _start_files(self, call: StartFiles) -> None:
@@ -117,7 +117,3 @@ class UploaderService(Service):
         in order)."""
         self._pool.shutdown(wait=True)
         self._store.lanes.close()
-
-
-TARGET = target(UploaderService)
-"""The name a bridge spawns the service by."""

@@ -12,7 +12,7 @@ lists, and ``latest`` never names a tag whose manifest is not there. Retention d
 tag's manifest first, so a tag disappears whole.
 
 Every call is blocking and retried with backoff on transient errors (:func:`retried`). It
-runs in the uploader process (:mod:`._service`), or in the command line. Errors never
+runs in the uploader process (:mod:`.service`), or in the command line. Errors never
 carry a credential: :class:`Redactor` scrubs every message that leaves this module.
 Nothing here imports torch.
 """
@@ -20,41 +20,30 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import xxhash
 
 from ...._errors import CheckpointError, CorruptCheckpointError
-from ...format import layout, read, write
+from ...format import layout
+from ...format.read import parse_manifest, verify_file
+from ...format.write import fsync_path
+from .calls import BACKOFF, RETRIES, RemoteScan, redact_url
 from .lanes import Lanes
 
-__all__ = [
-    "BACKOFF",
-    "RETRIES",
-    "RemoteScan",
-    "RemoteStore",
-    "Redactor",
-    "is_url",
-    "redact_url",
-]
+__all__ = ["Redactor", "RemoteStore", "retried"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RETRIES = 4
-"""Retries of a failed transient operation (so five attempts), with backoff."""
-BACKOFF = (0.5, 8.0)
-"""The first delay between attempts, doubled each time up to the second (seconds)."""
 _BLOCK = 8 << 20
 _PERMANENT = (
     FileNotFoundError,
@@ -74,22 +63,6 @@ _SECRET_ENV = (
     "AZURE_STORAGE_CONNECTION_STRING",
     "GOOGLE_APPLICATION_CREDENTIALS",
 )
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` names a remote tier (``protocol://...``), not a local path."""
-    return isinstance(location, str) and "://" in location
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its user information and query string (where credentials hide)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    host, slash, path = rest.partition("/")
-    host = host.rpartition("@")[2]
-    path = path.partition("?")[0]
-    return f"{scheme}://{host}{slash}{path}"
 
 
 class Redactor:
@@ -173,22 +146,6 @@ def retried(
     raise CheckpointError(redact(f"{what} failed{tries}: {_describe(error)}")) from None
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteScan:
-    """What a remote tier holds: each published tag's manifest, and ``latest``."""
-
-    manifests: dict[str, dict[str, Any]]
-    latest: str | None
-
-    def sequences(self) -> dict[str, int]:
-        """Every published tag's sequence number."""
-        return {tag: int(m["sequence"]) for tag, m in self.manifests.items()}
-
-    def tags(self) -> list[str]:
-        """The published tags, oldest first (by sequence)."""
-        return [tag for _, tag in sorted((s, t) for t, s in self.sequences().items())]
-
-
 class RemoteStore:
     """The checkpoint directory at ``url``, through fsspec with ``storage_options``."""
 
@@ -241,7 +198,7 @@ class RemoteStore:
 
         return self._retried("reading latest", read)
 
-    def read_manifest(self, tag: str) -> dict[str, Any]:
+    def manifest(self, tag: str) -> dict[str, Any]:
         """The manifest of published ``tag``; :class:`CheckpointError` if it has none."""
         path = self.path(tag, layout.MANIFEST)
 
@@ -252,7 +209,7 @@ class RemoteStore:
                 raise CheckpointError(f"{self.url} has no published checkpoint {tag!r}") from None
 
         data = self._retried(f"reading the manifest of {tag!r}", read)
-        return _parse(f"{self.url}/{tag}/{layout.MANIFEST}", data)
+        return parse_manifest(f"{self.url}/{tag}/{layout.MANIFEST}", data)
 
     def scan(self) -> RemoteScan:
         """Every published tag (a tag is published once its manifest exists) and ``latest``."""
@@ -278,7 +235,7 @@ class RemoteStore:
         for tag, path in zip(tags, paths, strict=True):
             data = found.get(path) or found.get(self.fs._strip_protocol(path))
             if data is not None:
-                parsed[tag] = _parse(f"{self.url}/{tag}/{layout.MANIFEST}", data)
+                parsed[tag] = parse_manifest(f"{self.url}/{tag}/{layout.MANIFEST}", data)
         return RemoteScan(parsed, self.read_latest())
 
     def fetch(self, tag: str, name: str, entry: Mapping[str, Any], target: str) -> None:
@@ -293,13 +250,13 @@ class RemoteStore:
         try:
             self._retried(f"downloading {tag}/{name}", lambda: self.fs.get_file(source, partial))
             try:
-                read.verify_file(Path(partial), entry)
+                verify_file(Path(partial), entry)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(
                     f"{self.url}/{tag}/{name}: the downloaded file does not match the "
                     f"manifest ({str(exc).partition(': ')[2]})"
                 ) from None
-            write.fsync_path(Path(partial))
+            fsync_path(Path(partial))
             os.replace(partial, target)
         finally:
             if os.path.exists(partial):
@@ -322,7 +279,7 @@ class RemoteStore:
 
     def put_file(self, local: str, tag: str, name: str, nbytes: int) -> None:
         """Upload local file ``local`` as ``name`` of ``tag`` (multipart and concurrent parts
-        where the backend has them), on the calling thread's lane (:mod:`._lanes`); checks
+        where the backend has them), on the calling thread's lane (:mod:`.lanes`); checks
         its size against the manifest's first."""
         size = os.path.getsize(local)
         if size != nbytes:
@@ -363,13 +320,3 @@ class RemoteStore:
                 self.fs.rm(self.path(tag), recursive=True)
 
         self._retried(f"removing {tag!r}", remove)
-
-
-def _parse(where: str, data: bytes) -> dict[str, Any]:
-    try:
-        manifest = json.loads(data)
-    except ValueError:
-        raise CorruptCheckpointError(f"{where}: the manifest is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != layout.FORMAT:
-        raise CorruptCheckpointError(f"{where}: not an aoffload manifest ({layout.FORMAT})")
-    return manifest
