@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .test_resume_example import losses
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_sync.py"
 STEPS = 12
@@ -27,15 +29,6 @@ def run(process: subprocess.Popen[str], returncode: int) -> str:
     out, err = process.communicate(timeout=240)
     assert process.returncode == returncode, err
     return out
-
-
-def losses(output: str) -> dict[int, str]:
-    found = {}
-    for line in output.splitlines():
-        if line.startswith("step "):
-            step, _, loss = line.split()[1:]
-            found[int(step)] = loss
-    return found
 
 
 def line_of(output: str, prefix: str) -> str:

@@ -21,7 +21,7 @@ from .core.alone import Alone, LocalTier
 from .core.catalog import Catalog
 from .core.engine import EngineCore
 from .core.retention import KeepLast, KeepUntil, Retention
-from .core.roles import Coordinator, Tier
+from .core.roles import Coordinator, Parts, Tier
 from .preemption.notice import PreemptionNotice, signal_set
 from .ranks.commit import RankCommits
 from .ranks.rendezvous import Rendezvous
@@ -78,11 +78,7 @@ def assemble(options: EngineOptions) -> Assembly:
             node_local=options.remote is not None,
         )
     core = EngineCore(
-        directory,
-        writer=writer,
-        catalog=catalog,
-        coordinator=coordinator,
-        tier=tier,
+        Parts(writer, catalog, coordinator, tier),
         max_pending=options.max_pending,
         unloadable=options.unloadable,
         start_timeout=options.start_timeout,

@@ -34,7 +34,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ClosedError, InvalidStateError, first_line
@@ -48,10 +47,8 @@ from .staging import SlotPool
 from .tags import Tags
 
 if TYPE_CHECKING:
-    from ..._runtime.core import WorkerCore
-    from .catalog import Catalog
     from .loadable import Unloadable
-    from .roles import Coordinator, Follower, Published, Tier
+    from .roles import Follower, Parts, Published
     from .tags import FileJob, OpenTag
 
 __all__ = ["EngineCore"]
@@ -67,27 +64,20 @@ def _done(value: Any) -> concurrent.futures.Future[Any]:
 
 class EngineCore:
     """The engine behind :class:`~aoffload.CheckpointEngine` (see there for the options),
-    made by the assembler from its parts: the ``writer`` (``None``: a replica), the
-    ``catalog``, the ``coordinator`` and the ``tier``."""
+    made by the assembler from its :class:`~.roles.Parts`."""
 
     def __init__(
         self,
-        directory: Path,
+        parts: Parts,
         *,
-        writer: WorkerCore | None,
-        catalog: Catalog,
-        coordinator: Coordinator,
-        tier: Tier,
         max_pending: int,
         unloadable: Unloadable,
         start_timeout: float,
         close_timeout: float,
     ) -> None:
-        self.directory = directory
-        self.writer = writer
-        self.catalog = catalog
-        self.coordinator = coordinator
-        self.tier = tier
+        self.directory = directory = parts.catalog.directory
+        self.writer, self.catalog = parts.writer, parts.catalog
+        self.coordinator, self.tier = parts.coordinator, parts.tier
         self.tags = Tags(directory, SlotPool(max_pending))
         self._max_pending = max_pending
         self._unloadable: Unloadable = unloadable

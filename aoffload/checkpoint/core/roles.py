@@ -25,11 +25,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from ..._runtime.core import WorkerCore
     from ..format.layout import FileEntry, Scan
+    from .catalog import Catalog
     from .result import CommitResult
     from .tags import OpenTag
 
-__all__ = ["Coordinator", "Follower", "Owner", "Published", "Resolve", "Tier"]
+__all__ = ["Coordinator", "Follower", "Owner", "Parts", "Published", "Resolve", "Tier"]
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the assembler hands the core: the ``writer`` process (``None``: a replica), the
+    ``catalog`` of its directory, the ``coordinator`` and the ``tier``."""
+
+    writer: WorkerCore | None
+    catalog: Catalog
+    coordinator: Coordinator
+    tier: Tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """Reading a checkpoint directory without an engine: what ``python -m aoffload`` reports.
 
-Everything here reads the format :mod:`.format` defines (its constants, manifests and
-:func:`~.read.verify_file`); :func:`clean` is the one writer, and it takes the
+Everything here reads the format (:mod:`.layout`, :mod:`.read`: its constants, manifests
+and :func:`~.read.verify_file`); :func:`clean` is the one writer, and it takes the
 directory lock (:mod:`.lock`) exclusive, so it never touches a live engine's files.
-The directory is untrusted: manifests are checked (:mod:`.untrusted`) before anything
+The directory is untrusted: manifests are checked (:mod:`.layout`) before anything
 they name is opened, nothing is followed through a link, and a file is verified before
 ``inspect`` loads it.
 """
@@ -33,7 +33,10 @@ __all__ = [
     "inspect_tag",
     "leftovers",
     "list_tags",
+    "pick",
     "resolve_tags",
+    "summarise",
+    "verify_each",
     "verify_tags",
 ]
 
@@ -102,18 +105,26 @@ async def list_tags(directory: Path) -> tuple[list[TagInfo], str | None]:
 async def resolve_tags(directory: Path, tag: str | None, every: bool) -> list[TagInfo]:
     """The tags a command acts on: ``tag``, every committed tag, or the latest one."""
     infos, latest = await list_tags(directory)
+    return pick(infos, latest, tag, every, f"{directory}", "committed")
+
+
+def pick(
+    infos: list[TagInfo], latest: str | None, tag: str | None, every: bool, where: str, kind: str
+) -> list[TagInfo]:
+    """Of the ``kind`` (committed, published) tags ``infos`` of ``where``: ``tag``, every
+    one (``every``), or the one ``latest`` names; :class:`CheckpointError` if none is."""
     if every:
         if not infos:
-            raise CheckpointError(f"{directory} holds no committed checkpoint")
+            raise CheckpointError(f"{where} holds no {kind} checkpoint")
         return infos
     wanted = tag if tag is not None else latest
     if wanted is None:
-        raise CheckpointError(f"{directory} holds no committed checkpoint (no {layout.LATEST!r})")
+        raise CheckpointError(f"{where} holds no {kind} checkpoint (no {layout.LATEST!r})")
     for info in infos:
         if info.tag == wanted:
             return [info]
     known = ", ".join(info.tag for info in infos) or "none"
-    raise CheckpointError(f"{directory} has no committed checkpoint {wanted!r} (it has: {known})")
+    raise CheckpointError(f"{where} has no {kind} checkpoint {wanted!r} (it has: {known})")
 
 
 # -- verify --------------------------------------------------------------------------------
@@ -137,19 +148,32 @@ async def verify_tags(
     ``progress(nbytes)`` is called after each file. A tag whose manifest is unreadable
     yields one failed check named after the manifest.
     """
+
+    def check(info: TagInfo, name: str, entry: dict[str, Any]) -> str | None:
+        try:
+            read.verify_file(directory / info.tag / name, entry, root=directory)
+        except CorruptCheckpointError as exc:
+            return str(exc)
+        return None
+
+    return await verify_each(infos, check, progress)
+
+
+async def verify_each(
+    infos: list[TagInfo],
+    check: Callable[[TagInfo, str, dict[str, Any]], str | None],
+    progress: Callable[[int], object] | None,
+) -> list[FileCheck]:
+    """``check(info, name, entry)`` (what is wrong, or ``None``) of every file of ``infos``,
+    one by one on a thread, ``progress(nbytes)`` after each; a tag whose manifest is
+    unreadable yields one failed check named after the manifest."""
     checks = []
     for info in infos:
         if info.error is not None:
             checks.append(FileCheck(info.tag, layout.MANIFEST, 0, info.error))
             continue
         for name, entry in info.files.items():
-            error = None
-            try:
-                await asyncio.to_thread(
-                    read.verify_file, directory / info.tag / name, entry, root=directory
-                )
-            except CorruptCheckpointError as exc:
-                error = str(exc)
+            error = await asyncio.to_thread(check, info, name, entry)
             checks.append(FileCheck(info.tag, name, int(entry["bytes"]), error))
             if progress is not None:
                 progress(int(entry["bytes"]))
@@ -193,18 +217,14 @@ def _describe(value: object, summary: FileSummary | None = None) -> tuple[int, s
     return count, type(value).__name__
 
 
-def _summarise(
-    directory: Path,
-    tag: str,
-    name: str,
-    entry: dict[str, Any],
-    weights_only: bool,
-    verify: bool = True,
+def summarise(
+    directory: Path, info: TagInfo, name: str, weights_only: bool, verify: bool = True
 ) -> FileSummary:
-    """Load file ``name`` of ``tag`` and describe it; ``verify=False`` when the caller has
-    just verified it (a download checked as it was written), which skips reading it twice."""
+    """Load file ``name`` of ``info``'s tag and describe it; ``verify=False`` when the caller
+    has just verified it (a download checked as it was written): it is not read twice."""
     import torch
 
+    tag, entry = info.tag, info.files[name]
     summary = FileSummary(name)
     path = directory / tag / name
     try:
@@ -237,8 +257,8 @@ async def inspect_tag(
     manifest, then loaded off the event loop with ``weights_only=True``
     (``weights_only=False``: the caller trusts the files)."""
     return [
-        await asyncio.to_thread(_summarise, directory, info.tag, name, entry, weights_only)
-        for name, entry in info.files.items()
+        await asyncio.to_thread(summarise, directory, info, name, weights_only)
+        for name in info.files
     ]
 
 

@@ -10,8 +10,8 @@ renames and deletes act on the entry itself, never on what a link names. Trees a
 removed with ``shutil.rmtree``'s descriptor-based walk, which unlinks links and never
 enters them.
 
-Pure ``os``, no torch: the trainer's side (:mod:`.format`, :mod:`.load`) and the writer
-process (:mod:`.writer`) both use it.
+Pure ``os``, no torch: the trainer's side (:mod:`.read`, :mod:`.write`) and the writer
+process (``writer/``) both use it.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -89,6 +90,29 @@ def _entries(records: Mapping[str, FileRecord]) -> dict[str, layout.FileEntry]:
     return {name: layout.FileEntry(r.nbytes, r.xxh3_64) for name, r in records.items()}
 
 
+def _sizes(files: Mapping[str, layout.FileEntry]) -> dict[str, int]:
+    return {name: entry.bytes for name, entry in files.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    """Commit ``n`` of the run, under ``keys``: ``open_tag``, this rank's writes of it,
+    when it was asked for, and whether it moves ``latest``."""
+
+    n: int
+    keys: Keys
+    open_tag: OpenTag
+    records: dict[str, FileRecord]
+    started: float
+    latest: bool
+
+    def result(
+        self, catalog: Catalog, sizes: Mapping[str, int], kept: Mapping[str, Any] | None
+    ) -> CommitResult:
+        """Its :class:`CommitResult`, published with ``sizes`` and ``kept`` metadata."""
+        return committed(catalog.directory, self.open_tag, self.records, self.started, sizes, kept)
+
+
 class RankCommits:
     """This rank's part in the commits of a distributed engine (its commit thread runs them).
 
@@ -107,16 +131,10 @@ class RankCommits:
         durable: bool,
         node_local: bool = False,
     ) -> None:
-        self.rendezvous = rendezvous
+        self.rendezvous = self._meet = rendezvous
         self.rank = rendezvous.rank
-        self.world = rendezvous.world
-        self._meet = rendezvous
-        self._writer = writer
-        self._catalog = catalog
-        self._directory = catalog.directory
-        self._durable = durable
-        self._node_local = node_local
-        self._timeout = rendezvous.timeout
+        self._writer, self._catalog = writer, catalog
+        self._durable, self._node_local = durable, node_local
         self._next = 0
         self._in_flight: int | None = None
         self._last_ok: int | None = None
@@ -128,7 +146,7 @@ class RankCommits:
     def join(self) -> layout.Scan:
         """Join the other ranks (a collective, blocking); return rank 0's scan."""
         if self._node_local:  # this rank's directory may be of its own
-            self._directory.mkdir(parents=True, exist_ok=True)
+            self._catalog.directory.mkdir(parents=True, exist_ok=True)
         return self._meet.join()
 
     def arm(self) -> None:
@@ -156,10 +174,8 @@ class RankCommits:
             if own.done():
                 self._report(keys, open_tag, own)
             self._verdict(keys, open_tag.tag, outcome)
-            if self.rank == 0:
-                done = self._publish(keys, n, open_tag, own.result(), started, latest)
-            else:
-                done = self._published(keys, n, open_tag, own.result(), started, latest)
+            this = _Commit(n, keys, open_tag, own.result(), started, latest)
+            done = self._publish(this) if self.rank == 0 else self._published(this)
             published = True
             self._last_ok = n
             resolve(done, None)
@@ -204,7 +220,7 @@ class RankCommits:
             missing = self._meet.missing(keys)
             late = Failure(
                 missing[0] if missing else -1,
-                f"rank(s) {missing} did not report within commit_timeout={self._timeout} s "
+                f"rank(s) {missing} did not report within commit_timeout={self._meet.timeout} s "
                 "(a trainer died, is stuck, or skipped this commit)",
             )
             value = self._meet.claim(keys.outcome, encode(late))
@@ -226,28 +242,21 @@ class RankCommits:
         return [
             rank
             for rank, report in enumerate(reports)
-            if rank and report.files and not (self._directory / report.dir).is_dir()
+            if rank and report.files and not (self._catalog.directory / report.dir).is_dir()
         ]
 
-    def _publish(
-        self,
-        keys: Keys,
-        n: int,
-        open_tag: OpenTag,
-        records: dict[str, FileRecord],
-        started: float,
-        latest: bool,
-    ) -> Published:
+    def _publish(self, this: _Commit) -> Published:
         """Rank 0: gather the ranks' files, publish the tag, tell the others.
 
         The files of an away rank stay on its node: the tag names them and their sizes,
         and that rank publishes them itself once told.
         """
-        tag, catalog, kept = open_tag.tag, self._catalog, open_tag.metadata
+        catalog, keys, open_tag = self._catalog, this.keys, this.open_tag
+        tag, kept = open_tag.tag, open_tag.metadata
         published: dict[str, layout.FileEntry] = {}
         try:
             reports = self._meet.reports(keys)
-            entries, sources = merge_reports(tag, reports, self._directory)
+            entries, sources = merge_reports(tag, reports, catalog.directory)
             warn_differing(tag, kept, reports)
             away = self._away(reports)
             elsewhere = {name: entries[name].bytes for r in away for name in reports[r].files}
@@ -257,63 +266,54 @@ class RankCommits:
 
             def result(files: Mapping[str, layout.FileEntry]) -> CommitResult:
                 published.update(files)
-                sizes = {name: entry.bytes for name, entry in files.items()} | elsewhere
-                return committed(catalog.directory, open_tag, records, started, sizes, kept)
+                return this.result(catalog, _sizes(files) | elsewhere, kept)
 
             write.gather(open_tag.tmpdir, sources, durable=self._durable)
-            done = catalog.publish(open_tag.tmpdir, tag, local, result, kept, latest=latest)
+            done = catalog.publish(open_tag.tmpdir, tag, local, result, kept, latest=this.latest)
         except BaseException as exc:
             self._meet.set(keys.result, encode(Answer(False, error=first_line(exc))))
             raise
         peers = {name for rank, report in enumerate(reports) if rank for name in report.files}
-        sizes = {name: entry.bytes for name, entry in published.items()} | elsewhere
+        sizes = _sizes(published) | elsewhere
         answer = Answer(True, sequence=catalog.sequence, files=sizes, away=away, metadata=kept)
-        previous = Keys.commit(keys.run, n - 1) if n else None
+        previous = Keys.commit(keys.run, this.n - 1) if this.n else None
         self._meet.announce(keys, answer, previous)
         own = {name: entry for name, entry in published.items() if name not in peers}
-        return Published(done, n, own)
+        return Published(done, this.n, own)
 
-    def _published(
-        self,
-        keys: Keys,
-        n: int,
-        open_tag: OpenTag,
-        records: dict[str, FileRecord],
-        started: float,
-        latest: bool,
-    ) -> Published:
+    def _published(self, this: _Commit) -> Published:
         """Ranks but 0: wait for rank 0 to publish and take note of it; an away rank then
         publishes its own files in its own directory."""
-        tag, catalog = open_tag.tag, self._catalog
+        catalog, keys, open_tag = self._catalog, this.keys, this.open_tag
         answer = self._answer(keys, open_tag)
         kept = answer.metadata
         if self.rank not in answer.away:
-            done = committed(catalog.directory, open_tag, records, started, answer.files, kept)
-            catalog.record(tag, answer.sequence, done, latest=latest)
+            done = this.result(catalog, answer.files, kept)
+            catalog.record(open_tag.tag, answer.sequence, done, latest=this.latest)
             catalog.forget_old()
             self._meet.set(keys.ack(self.rank), "1")
-            return Published(done, n, _entries(records))
+            return Published(done, this.n, _entries(this.records))
         published: dict[str, layout.FileEntry] = {}
         try:
 
             def result(files: Mapping[str, layout.FileEntry]) -> CommitResult:
                 published.update(files)
-                sizes = dict(answer.files) | {n: e.bytes for n, e in files.items()}
-                return committed(catalog.directory, open_tag, records, started, sizes, kept)
+                return this.result(catalog, dict(answer.files) | _sizes(files), kept)
 
+            mine = _entries(this.records)
             done = catalog.publish(
-                open_tag.tmpdir, tag, _entries(records), result, kept, latest=latest,
+                open_tag.tmpdir, open_tag.tag, mine, result, kept, latest=this.latest,
                 sequence=answer.sequence,
             )  # fmt: skip
         except BaseException as exc:  # its upload can never happen: tell rank 0 at once
             failure = Failure(self.rank, f"its local publication failed: {first_line(exc)}")
             try:
-                self._meet.claim(Keys.upload(keys.run, n).outcome, encode(failure))
+                self._meet.claim(Keys.upload(keys.run, this.n).outcome, encode(failure))
             finally:
                 self._meet.set(keys.ack(self.rank), "1")
             raise
         self._meet.set(keys.ack(self.rank), "1")
-        return Published(done, n, published)
+        return Published(done, this.n, published)
 
     def _answer(self, keys: Keys, open_tag: OpenTag) -> Answer:
         """Ranks but 0: rank 0's answer, once it has published ``open_tag``; raise if it
@@ -324,7 +324,7 @@ class RankCommits:
         except dist.DistError as exc:
             raise CheckpointError(
                 f"checkpoint {tag!r}: every rank wrote its files, but rank 0 did not say "
-                f"whether it published them ({first_line(exc)}); check {self._directory}"
+                f"whether it published them ({first_line(exc)}); check {self._catalog.directory}"
             ) from exc
         if not answer.ok:
             raise CheckpointError(

@@ -9,17 +9,23 @@ first verdict, set with ``compare_set``), rank 0's ``result``; the preemption no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 __all__ = ["Keys"]
 
 
-@dataclass(frozen=True, slots=True)
 class Keys:
-    """The store keys of one exchange among the ranks of run ``run``."""
+    """The store keys of one exchange among the ranks of run ``run``: ``outcome`` (the first
+    verdict, set with ``compare_set``), ``count`` (how many ranks reported), ``result``
+    (rank 0's answer), ``agreed`` (the preemption's step, or why the ranks cannot agree)."""
 
-    run: str
-    scope: str
+    __slots__ = ("agreed", "count", "outcome", "prefix", "result", "run")
+
+    def __init__(self, run: str, scope: str) -> None:
+        self.run = run
+        self.prefix = f"aoffload/{run}/{scope}/"
+        """What every key of the exchange starts with."""
+        self.outcome, self.count, self.result, self.agreed = (
+            self.prefix + name for name in ("outcome", "count", "result", "agreed")
+        )
 
     @classmethod
     def commit(cls, run: str, n: int) -> Keys:
@@ -35,31 +41,6 @@ class Keys:
     def preemption(cls, run: str) -> Keys:
         """The keys of the run's preemption notice."""
         return cls(run, "preempt")
-
-    @property
-    def prefix(self) -> str:
-        """What every key of the exchange starts with."""
-        return f"aoffload/{self.run}/{self.scope}/"
-
-    @property
-    def outcome(self) -> str:
-        """The first verdict on the exchange (set with ``compare_set``)."""
-        return self.prefix + "outcome"
-
-    @property
-    def count(self) -> str:
-        """How many ranks reported."""
-        return self.prefix + "count"
-
-    @property
-    def result(self) -> str:
-        """Rank 0's answer, once it acted on every report."""
-        return self.prefix + "result"
-
-    @property
-    def agreed(self) -> str:
-        """The step every rank saves at, or why the ranks cannot agree (preemption)."""
-        return self.prefix + "agreed"
 
     def report(self, rank: int) -> str:
         """Where ``rank`` reports."""

@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..._errors import CheckpointError
 from ..format import metadata as _metadata
@@ -40,6 +40,17 @@ WRITTEN = "written"
 """The outcome of a commit whose files are durable on every rank."""
 UPLOADED = "uploaded"
 """The outcome of an upload every rank finished."""
+
+
+class _Json:
+    """What crosses the store as a JSON object of the dataclass's fields."""
+
+    __slots__ = ()
+
+    @classmethod
+    def decode(cls, text: str) -> Self:
+        """The value ``text`` holds."""
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +80,15 @@ class Report:
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
+class Failure(_Json):
     """Why an exchange failed: ``rank`` failed (or was found gone), saying ``error``."""
 
     rank: int
     error: str
 
-    @classmethod
-    def decode(cls, text: str) -> Failure:
-        """The failure ``text`` holds."""
-        return cls(**json.loads(text))
-
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class Answer(_Json):
     """Rank 0's answer: ``ok`` (the tag was published as ``sequence`` with ``files`` and
     ``metadata``; the ``away`` ranks publish their own files), or why not (``error``)."""
 
@@ -92,11 +98,6 @@ class Answer:
     files: dict[str, int] = field(default_factory=dict)
     away: list[int] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
-
-    @classmethod
-    def decode(cls, text: str) -> Answer:
-        """The answer ``text`` holds."""
-        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """What the command line shows of a remote tier: ``aoffload ls|verify|inspect URL``.
 
-The same functions as :mod:`.inspect`, for a URL instead of a directory. They read the
-remote tier through :class:`~.remote._store.RemoteStore` on threads (the command line is
+The same functions as ``format/inspect.py``, for a URL instead of a directory. They read
+the remote tier through :class:`~.worker.store.RemoteStore` on threads (the command line is
 not a trainer: no uploader process is needed), with credentials from the environment and
 fsspec's configuration. ``verify`` streams each file through xxh3-64 without storing it;
 ``inspect`` downloads a file (verified) into a temporary directory to load it.
@@ -13,10 +13,10 @@ import asyncio
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..._errors import CheckpointError, CorruptCheckpointError
-from ..format import layout
-from ..format.inspect import FileCheck, FileSummary, TagInfo, _summarise
+from ..format.inspect import FileCheck, FileSummary, TagInfo, pick, summarise, verify_each
 from .worker.store import RemoteStore
 
 __all__ = ["inspect_tag", "leftovers", "list_tags", "resolve_tags", "verify_tags"]
@@ -56,19 +56,7 @@ async def list_tags(url: str) -> tuple[list[TagInfo], str | None]:
 async def resolve_tags(url: str, tag: str | None, every: bool) -> list[TagInfo]:
     """The tags a command acts on: ``tag``, every published tag, or the latest one."""
     infos, latest = await list_tags(url)
-    where = _store(url).url
-    if every:
-        if not infos:
-            raise CheckpointError(f"{where} holds no published checkpoint")
-        return infos
-    wanted = tag if tag is not None else latest
-    if wanted is None:
-        raise CheckpointError(f"{where} holds no published checkpoint (no {layout.LATEST!r})")
-    for info in infos:
-        if info.tag == wanted:
-            return [info]
-    known = ", ".join(info.tag for info in infos) or "none"
-    raise CheckpointError(f"{where} has no published checkpoint {wanted!r} (it has: {known})")
+    return pick(infos, latest, tag, every, _store(url).url, "published")
 
 
 async def verify_tags(
@@ -76,29 +64,23 @@ async def verify_tags(
 ) -> list[FileCheck]:
     """Check every remote file of ``infos`` against its manifest, streamed, one by one."""
     store = _store(url)
-    checks = []
-    for info in infos:
-        if info.error is not None:
-            checks.append(FileCheck(info.tag, layout.MANIFEST, 0, info.error))
-            continue
-        for name, entry in info.files.items():
-            error = None
-            try:
-                found = await asyncio.to_thread(store.hash_remote, info.tag, name)
-            except CheckpointError as exc:
-                error = str(exc)
-            else:
-                if found.bytes != int(entry["bytes"]):
-                    error = f"{found.bytes} bytes, the manifest says {entry['bytes']}"
-                elif found.xxh3_64 != entry["xxh3_64"]:
-                    error = "checksum mismatch (xxh3-64); the file is corrupt"
-            where = f"{store.url}/{info.tag}/{name}"
-            checks.append(
-                FileCheck(info.tag, name, int(entry["bytes"]), error and f"{where}: {error}")
+
+    def check(info: TagInfo, name: str, entry: dict[str, Any]) -> str | None:
+        try:
+            found = store.hash_remote(info.tag, name)
+        except CheckpointError as exc:
+            error = str(exc)
+        else:
+            if found.bytes == int(entry["bytes"]) and found.xxh3_64 == entry["xxh3_64"]:
+                return None
+            error = (
+                f"{found.bytes} bytes, the manifest says {entry['bytes']}"
+                if found.bytes != int(entry["bytes"])
+                else "checksum mismatch (xxh3-64); the file is corrupt"
             )
-            if progress is not None:
-                progress(int(entry["bytes"]))
-    return checks
+        return f"{store.url}/{info.tag}/{name}: {error}"
+
+    return await verify_each(infos, check, progress)
 
 
 def _summarise_remote(
@@ -112,9 +94,7 @@ def _summarise_remote(
         except (CheckpointError, CorruptCheckpointError) as exc:
             return FileSummary(name, error=str(exc))
         # fetch() verified the download against the manifest: no second read of it
-        return _summarise(
-            Path(scratch), info.tag, name, info.files[name], weights_only, verify=False
-        )
+        return summarise(Path(scratch), info, name, weights_only, verify=False)
 
 
 async def inspect_tag(url: str, info: TagInfo, *, weights_only: bool = True) -> list[FileSummary]:
