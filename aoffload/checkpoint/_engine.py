@@ -146,8 +146,8 @@ class CheckpointEngine(Resource):
         return self._core.catalog.tags
 
     def pending(self) -> list[str]:
-        """The tags staged or being committed, not yet published nor discarded (oldest
-        first): a tag named here cannot be staged into anew."""
+        """The tags in flight, oldest first: staged into, or being committed (those take no
+        more files), and not yet published nor discarded."""
         return self._core.tags.open_tags()
 
     # -- lifecycle ----------------------------------------------------------------------
