@@ -250,9 +250,14 @@ class EngineCore:
             except Exception:
                 logger.exception("checkpoint %r: its early uploads could not start", open_tag.tag)
             self.coordinator.commit(open_tag, started, latest, resolve)
+        except BaseException as exc:  # a coordinator that raised: the commit's failure
+            if not future.done():
+                resolve(None, exc)
+            else:  # after the outcome (in what follows it): nobody waits on this thread
+                logger.exception("checkpoint %r: what followed its commit failed", open_tag.tag)
+        finally:
             if not future.done():  # pragma: no cover - every coordinator resolves
                 resolve(None, None)
-        finally:
             if not ended:
                 self.tags.end_commit(open_tag, published=False)
 
