@@ -100,7 +100,7 @@ class CheckpointEngine(Resource):
         early_uploads: bool = False,
         upload_backoff: float = 0.5,
     ) -> None:
-        self.options = EngineOptions(
+        options = EngineOptions(
             directory=Path(directory),
             keep_last=keep_last,
             max_pending=max_pending,
@@ -118,8 +118,7 @@ class CheckpointEngine(Resource):
             early_uploads=early_uploads,
             upload_backoff=upload_backoff,
         )
-        """The options, as given (validated)."""
-        parts = assemble(self.options)
+        parts = assemble(options)
         self._core = parts.core
         self._notices = parts.notice
         self._notice: PreemptionNotice | None = None
