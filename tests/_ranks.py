@@ -109,20 +109,20 @@ def complete_tags(directory: Path) -> list[str]:
     Raises AssertionError for a tag directory without a manifest or with a file that
     does not match it: a partial tag.
     """
-    from aoffload.checkpoint import _format
+    from aoffload.checkpoint.format import layout, read
 
     tags = []
     for entry in sorted(os.listdir(directory)):
         path = directory / entry
         if entry.startswith(".") or not path.is_dir():
             continue
-        manifest_path = path / _format.MANIFEST
+        manifest_path = path / layout.MANIFEST
         if not manifest_path.is_file():
             raise AssertionError(f"partial tag {entry!r}: no manifest; it holds {os.listdir(path)}")
         manifest = json.loads(manifest_path.read_text())
         for name, entry_ in manifest["files"].items():
-            _format.verify_file(path / name, entry_)
-        listed = set(manifest["files"]) | {_format.MANIFEST}
+            read.verify_file(path / name, entry_)
+        listed = set(manifest["files"]) | {layout.MANIFEST}
         present = {
             str((Path(folder) / name).relative_to(path))
             for folder, _, names in os.walk(path)

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _partial_tags(directory: Path) -> int:
-    from ..checkpoint import _format
+    from ..checkpoint.format import layout, read
 
     partial = 0
     for entry in os.listdir(directory):
@@ -44,9 +44,9 @@ def _partial_tags(directory: Path) -> int:
         if entry.startswith(".") or not path.is_dir():
             continue
         try:
-            manifest = json.loads((path / _format.MANIFEST).read_text())
+            manifest = json.loads((path / layout.MANIFEST).read_text())
             for name, file_entry in manifest["files"].items():
-                _format.verify_file(path / name, file_entry)
+                read.verify_file(path / name, file_entry)
         except (OSError, ValueError, KeyError, CorruptCheckpointError):
             partial += 1
     return partial

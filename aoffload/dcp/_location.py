@@ -13,7 +13,7 @@ committed: it is refused, whatever it holds. Every file DCP's metadata names mus
 plain name inside the checkpoint's directory, and no link is followed to it.
 
 This module is the dcp package's one reader of aoffload's on-disk format
-(:mod:`aoffload.checkpoint._format`).
+(:mod:`aoffload.checkpoint.format`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..checkpoint import _format
+from ..checkpoint.format import layout, read
 
 __all__ = ["METADATA", "Checkpoint", "locate"]
 
@@ -73,7 +73,7 @@ class Checkpoint:
                 f"{path}: DCP's metadata names this file but the tag's manifest does not list it"
             )
         relative = f"{self.relative}/{name}" if self.relative else name
-        return _format.open_verified(self.root, relative, entry, True)
+        return read.open_verified(self.root, relative, entry, True)
 
     def read(self, name: str, limit: int) -> bytes:
         """The whole file ``name``, at most ``limit`` bytes, checked against the manifest
@@ -86,7 +86,7 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{path}: the tag's manifest does not list it")
         else:
             relative = f"{self.relative}/{name}" if self.relative else name
-            fd = _format.open_verified(self.root, relative, entry, False)
+            fd = read.open_verified(self.root, relative, entry, False)
         try:
             size = os.fstat(fd).st_size
             if size > limit:
@@ -140,9 +140,9 @@ def _open_plain(directory: Path, name: str) -> int:
 
 
 def _committed(root: Path, tag: str) -> Checkpoint:
-    _format.validate_tag(tag)
+    layout.validate_tag(tag)
     try:
-        manifest = _format.read_manifest(root / tag / _format.MANIFEST)
+        manifest = read.read_manifest(root / tag / layout.MANIFEST)
     except FileNotFoundError:
         raise CheckpointError(
             f"{root / tag} is not a committed checkpoint of {root} (it has no manifest: a save "
@@ -163,12 +163,12 @@ def locate(location: Path, tag: str | None) -> Checkpoint:
         raise CheckpointError(f"{location}: no such checkpoint directory")
     if tag is not None:
         return _committed(location, tag)
-    if os.path.lexists(location / _format.MANIFEST):
+    if os.path.lexists(location / layout.MANIFEST):
         return _committed(location.parent, location.name)
-    latest = _format.read_latest(location)
+    latest = read.read_latest(location)
     if latest is not None:
         return _committed(location, latest)
-    if os.path.lexists(location.parent / _format.LATEST):
+    if os.path.lexists(location.parent / layout.LATEST):
         raise CheckpointError(
             f"{location} is in the aoffload checkpoint directory {location.parent} but was "
             "never committed there (it has no manifest: a save that did not finish?); load "
