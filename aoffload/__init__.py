@@ -39,18 +39,10 @@ if _typing.TYPE_CHECKING:
     from .optimizer import StepReport as StepReport
     from .optimizer import StepResult as StepResult
 else:
+    from . import checkpoint as _checkpoint  # its names, not yet what they name (no torch)
+
     _LAZY = {
-        **dict.fromkeys(
-            (
-                "CheckpointEngine",
-                "CommitResult",
-                "PreemptionNotice",
-                "Staged",
-                "load_checkpoint",
-                "load_metadata",
-            ),
-            ".checkpoint",
-        ),
+        **dict.fromkeys(_checkpoint.__all__, ".checkpoint"),
         **dict.fromkeys(
             ("CPUAdam", "OffloadAdam", "StepKind", "StepReport", "StepResult"), ".optimizer"
         ),

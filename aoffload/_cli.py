@@ -1,7 +1,7 @@
 """``python -m aoffload`` (the ``aoffload`` console script): look after checkpoint directories.
 
-The commands read the directory with :mod:`aoffload.checkpoint._inspect` (a remote tier's
-URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint._remote_inspect`); this module
+The commands read the directory with :mod:`aoffload.checkpoint.format.inspect` (a remote tier's
+URL, ``s3://bucket/run``, with :mod:`aoffload.checkpoint.remote.inspect`); this module
 parses arguments, prints, and maps outcomes to the exit codes below.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ._errors import CheckpointError
-from .checkpoint import _inspect
+from .checkpoint.format import inspect as _inspect
 
 __all__ = ["EXIT_BUSY", "EXIT_DAMAGED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -88,7 +88,7 @@ def _age(seconds: float | None) -> str:
 def _source(location: str) -> tuple[Any, Any]:
     """What reads ``location`` and how it is named: a remote tier's URL, or a directory."""
     if "://" in location:
-        from .checkpoint import _remote_inspect
+        from .checkpoint.remote import inspect as _remote_inspect
 
         return _remote_inspect, location
     return _inspect, Path(location)

@@ -29,6 +29,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",
+    "first_line",
 ]
 
 
@@ -51,6 +52,12 @@ class WorkerStartupError(WorkerError):
     worker's own traceback), exited before the READY handshake, or did not answer
     within ``start_timeout`` seconds.
     """
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if it has none), for messages
+    that name another error in one line."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -17,7 +17,13 @@ import griffe
 _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj):`(~?)([^`<>]+?)`")
 _LITERAL_BLOCK = re.compile(r"::\n", re.MULTILINE)
 
-_PUBLIC_MODULES = ("aoffload", "aoffload.deepspeed", "aoffload.lightning", "aoffload.testing")
+_PUBLIC_MODULES = (
+    "aoffload",
+    "aoffload.dcp",
+    "aoffload.deepspeed",
+    "aoffload.lightning",
+    "aoffload.testing",
+)
 
 
 def _documented() -> set[str]:

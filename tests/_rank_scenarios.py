@@ -76,7 +76,7 @@ def metadata(rank: int, world: int, directory: Path) -> dict[str, Any]:
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logger = logging.getLogger("aoffload.checkpoint._distributed")
+    logger = logging.getLogger("aoffload.checkpoint.ranks")
     handler = Collect()
     logger.addHandler(handler)
 

@@ -33,10 +33,9 @@ def spread(rank: int, world: int, directory: Path, url: str, victim: int) -> dic
             out["node"] = sorted(os.listdir(node))
             await engine.save(shard(rank, 4), f"shard-{rank}.pt", tag="step-4")
             if rank == victim:  # its uploader dies: its upload of step-4 fails
-                uploader = engine._core.remote
-                assert uploader is not None
-                assert uploader.uploader.pid is not None
-                os.kill(uploader.uploader.pid, signal.SIGKILL)
+                uploader = engine._core.tier.uploader.core
+                assert uploader.pid is not None
+                os.kill(uploader.pid, signal.SIGKILL)
             out["committed-4"] = (await engine.commit("step-4")).tag
             out["failed"] = (await _expect(engine.uploaded("step-4")))[:2]
         fresh = directory / f"fresh-{rank}"

@@ -168,7 +168,7 @@ async def test_too_little_shared_memory_is_a_clear_error_not_a_sigbus(
     small_filesystem: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A container's /dev/shm is often 64 MiB; here a real 6 MiB tmpfs stands in for it.
-    monkeypatch.setattr("aoffload.checkpoint._staging._SHM_DIR", str(small_filesystem))
+    monkeypatch.setattr("aoffload.checkpoint.format.shm.SHM_DIR", str(small_filesystem))
     async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
         with pytest.raises(aoffload.CheckpointError, match=r"shared memory.*--shm-size"):
             await engine.save({"w": torch.ones(4096, 1024)}, "model.pt", tag="big")  # 16 MiB

@@ -176,7 +176,7 @@ async def test_a_corrupt_manifest_quarantines_its_tag_and_the_engine_goes_on(
     and a 60 MB one added seconds and hundreds of MB to each start."""
     await commit(tmp_path, "step-1")
     await asyncio.to_thread(forge_all, tmp_path)  # 20 MiB of JSON: off the loop
-    with caplog.at_level(logging.WARNING, logger="aoffload.checkpoint._format"):
+    with caplog.at_level(logging.WARNING, logger="aoffload.checkpoint.format.read"):
         async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
             assert engine.tags() == ["step-1"]
             assert engine.latest() == "step-1"

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import aoffload
-from aoffload.checkpoint import _load
+from aoffload.checkpoint.core import load as _load
 
 from ._leaks import Snapshot
 from .test_checkpoint import _warm_up, assert_same  # noqa: F401 - the module's warm-up

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import aoffload
-from aoffload.checkpoint import _plan
-from aoffload.checkpoint._metadata import METADATA_LIMIT
+from aoffload.checkpoint.core import plan as _plan
+from aoffload.checkpoint.format.metadata import METADATA_LIMIT
 
 from .test_checkpoint import _warm_up  # noqa: F401 - the module's warm-up
 

@@ -22,7 +22,7 @@ import torch
 
 import aoffload
 from aoffload._cli import EXIT_OK, main
-from aoffload.checkpoint._staging import Segment
+from aoffload.checkpoint.core.staging import Segment
 
 MANIFEST = ".aoffload-manifest.json"
 

@@ -27,7 +27,7 @@ import psutil
 import torch
 
 import aoffload
-from aoffload.checkpoint import _format
+from aoffload.checkpoint.format import layout, read
 from aoffload.lightning import AsyncCheckpointIO
 
 from ._lightning_app import Record, Tiny, data, trainer
@@ -55,8 +55,8 @@ def check_complete(path: Path) -> dict[str, Any]:
     target = Path(os.path.realpath(path))
     assert target.is_file(), f"{path} links to nothing ({os.readlink(path)})"
     assert target.parent.parent == path.parent / STORE
-    manifest = _format.read_manifest(target.parent / _format.MANIFEST)
-    _format.verify_file(target, manifest["files"][target.name])
+    manifest = read.read_manifest(target.parent / layout.MANIFEST)
+    read.verify_file(target, manifest["files"][target.name])
     loaded: dict[str, Any] = torch.load(path, weights_only=True)
     assert manifest["metadata"]["global_step"] == loaded["global_step"]
     assert manifest["metadata"]["lightning_path"] == path.name
@@ -79,8 +79,8 @@ def test_fit_saves_exact_snapshots_keeps_the_top_k_and_resumes(tmp_path: Path) -
             assert torch.equal(loaded["state_dict"][key], tensor), key
     # save_top_k=2: the tags of steps 2 and 4 went with their links; `latest` is step 8.
     store = tmp_path / STORE
-    assert _format.scan(store, clean=False).tags == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
-    assert _format.read_latest(store) == "epoch=0-step=8.ckpt"
+    assert read.scan(store, clean=False).tags == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
+    assert read.read_latest(store) == "epoch=0-step=8.ckpt"
 
     resumed = Record()
     fit, saved = trainer(tmp_path, 12, AsyncCheckpointIO(durable=False), resumed, every=2)
@@ -133,8 +133,8 @@ def test_removal_waits_for_the_newer_checkpoints_and_keeps_what_a_failure_needs(
     plugin.remove_checkpoint(tmp_path / "b.ckpt")  # the newest: `latest` moves back to a
     plugin.teardown()
     assert checkpoints(tmp_path) == ["a.ckpt"]
-    assert _format.read_latest(tmp_path / STORE) == "a.ckpt"
-    assert _format.scan(tmp_path / STORE, clean=False).tags == ["a.ckpt"]
+    assert read.read_latest(tmp_path / STORE) == "a.ckpt"
+    assert read.scan(tmp_path / STORE, clean=False).tags == ["a.ckpt"]
 
     # A file where c's tag must go makes c's publication fail: a's removal, requested
     # after c's save, must then keep a, and c's failure is raised by the next call.
@@ -255,9 +255,9 @@ def test_a_run_killed_during_saves_leaves_only_complete_checkpoints(
         assert names, "nothing was ever published"
         for name in names:  # every file Lightning could load is whole
             check_complete(tmp_path / name)
-        store = _format.scan(tmp_path / STORE, clean=False)  # every published tag complete
+        store = read.scan(tmp_path / STORE, clean=False)  # every published tag complete
         for tag in store.tags:
-            assert (tmp_path / STORE / tag / _format.MANIFEST).is_file()
+            assert (tmp_path / STORE / tag / layout.MANIFEST).is_file()
     # Lightning resumes from the newest one a killed run left.
     steps = {name: check_complete(tmp_path / name)["global_step"] for name in names}
     newest = max(names, key=steps.__getitem__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from aoffload.optimizer._stepper import Stepper
+from aoffload.optimizer.worker._stepper import Stepper
 
 WAIT = 60.0  # seconds: only a hang reaches it
 

@@ -16,7 +16,7 @@ import torch
 import aoffload
 from aoffload import CPUAdam, StepKind, StepResult
 from aoffload.optimizer._affinity import split_cores
-from aoffload.optimizer._calls import Step
+from aoffload.optimizer.worker._calls import Step
 
 from . import _adam_schedule as sched
 from ._leaks import Snapshot, child_pids

@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,11 +19,12 @@ import torch
 
 import aoffload
 from aoffload import CPUAdam
-from aoffload.optimizer._calls import Info
-from aoffload.optimizer._deepspeed_op import STAMP, _stamp_mismatch, build_directory
-from aoffload.optimizer._deepspeed_start import AcceleratorNoticeFilter
+from aoffload.optimizer.worker._calls import Info
+from aoffload.optimizer.worker._deepspeed_stamp import STAMP, stamp_mismatch
+from aoffload.optimizer.worker._deepspeed_start import AcceleratorNoticeFilter
 
 from . import _adam_schedule as sched
+from ._op_build import built_op, copy_of_build
 from .test_optimizer import run_schedule, steps_then_rollback
 
 deepspeed_adam = pytest.importorskip(
@@ -107,7 +107,8 @@ async def test_bit_identical_to_deepspeed(
         assert torch.equal(params[sg], superoffload_expected[sg]), sg
 
 
-async def test_auto_picks_deepspeed_and_exact_rollback_restores_bytes() -> None:
+async def test_auto_picks_deepspeed_and_exact_rollback_restores_bytes(built: str) -> None:
+    """``built``: a worker has loaded (and stamped) the op, which "auto" then takes."""
     async with CPUAdam(sched.GROUPS, exact_rollback=True, worker_cores=None) as opt:
         assert opt.backend == "deepspeed"
         await steps_then_rollback(opt, exact_check=True)
@@ -140,31 +141,15 @@ def test_the_accelerator_notice_is_filtered_and_nothing_else() -> None:
 
 
 @pytest.fixture(scope="module")
-def built_op() -> str:
-    """The build directory of DeepSpeed's op in this environment, built (by a worker loading it
-    through DeepSpeed) if it was not."""
-    directory = build_directory()
-    if not os.path.exists(os.path.join(directory, "cpu_adam.so")):
-
-        async def start() -> None:
-            async with CPUAdam([{"lr": 0.1}], backend="deepspeed", worker_cores=None):
-                pass
-
-        asyncio.run(start())
-    return directory
+def built() -> str:
+    """The build directory of DeepSpeed's op here, built if it was not."""
+    return built_op()
 
 
 @pytest.fixture
-def build_copy(built_op: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of that build without a stamp (every mtime kept, so ninja has nothing to do),
-    which this test's workers use."""
-    copy = tmp_path.resolve() / "extensions" / "cpu_adam"  # as /proc/PID/maps names it
-    copy.mkdir(parents=True)
-    for entry in os.scandir(built_op):
-        if entry.is_file() and entry.name != "lock" and STAMP not in entry.name:
-            shutil.copy2(entry.path, copy / entry.name)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(copy.parent))
-    return copy
+def build_copy(built: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stamp-less copy of the build, which this test's workers use."""
+    return copy_of_build(built, tmp_path, monkeypatch)
 
 
 @dataclass
@@ -192,7 +177,9 @@ async def start_and_run(caplog: pytest.LogCaptureFixture) -> Started:
         mapped = mapped_libraries(pid)
         params = await run_schedule(opt)
     logged = "\n".join(
-        r.getMessage() for r in caplog.records if r.name == "aoffload.optimizer._deepspeed_op"
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "aoffload.optimizer.worker._deepspeed_op"
     )
     return Started(info, mapped, params, logged)
 
@@ -278,16 +265,16 @@ async def test_another_accelerator_loads_through_deepspeed(
     assert chosen.info.deepspeed_imported, chosen.logged
     assert "environment differs" in chosen.logged
     assert not (await start_and_run(caplog)).info.deepspeed_imported  # stamped with it
-    assert _stamp_mismatch(str(build_copy)) is None
+    assert stamp_mismatch(str(build_copy)) is None
     monkeypatch.setenv("DS_ACCELERATOR", "npu")  # another builder: never from the stamp
-    assert _stamp_mismatch(str(build_copy)) == "DS_ACCELERATOR=npu"
+    assert stamp_mismatch(str(build_copy)) == "DS_ACCELERATOR=npu"
 
 
 def test_no_build_or_no_stamp_is_no_proof(tmp_path: Path) -> None:
-    missing = _stamp_mismatch(str(tmp_path / "absent" / "cpu_adam"))
+    missing = stamp_mismatch(str(tmp_path / "absent" / "cpu_adam"))
     assert f"no {STAMP}" in str(missing)
     (tmp_path / STAMP).write_text(json.dumps({"format": 0}))
-    assert "another format" in str(_stamp_mismatch(str(tmp_path)))
+    assert "another format" in str(stamp_mismatch(str(tmp_path)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed says nothing with a GPU")

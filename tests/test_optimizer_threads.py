@@ -175,7 +175,7 @@ def _sync_lifecycle() -> None:
 
         def submitter(i: int) -> None:
             for _ in range(5):
-                core.submit(0, i, params[i], grads[i])
+                core.submit((0, i), params[i], grads[i])
 
         threads = [threading.Thread(target=submitter, args=(i,)) for i in range(3)]
         for thread in threads:
@@ -188,14 +188,14 @@ def _sync_lifecycle() -> None:
         ]
         state = core.state_dict().result(timeout=60)
         assert [state["state"][0][i]["step"] for i in range(3)] == [5, 5, 5]
-        core.submit(0, 0, params[0], grads[0])
+        core.submit((0, 0), params[0], grads[0])
         core.load_state_dict(state).result(timeout=60)
         assert core.state_dict().result(timeout=60)["state"][0][0]["step"] == 5
         assert [r.step for r in core.drain(timeout=60)] == [6]  # sent before the load
     finally:
         core.close()
     with pytest.raises(aoffload.ClosedError):
-        core.submit(0, 0, params[0], grads[0])
+        core.submit((0, 0), params[0], grads[0])
 
 
 def test_the_core_runs_with_no_event_loop_at_all() -> None:

@@ -23,7 +23,7 @@ import torch
 
 import aoffload
 from aoffload._moto import S3Endpoint
-from aoffload.checkpoint import _format
+from aoffload.checkpoint.format import layout
 
 from ._ranks import complete_tags
 
@@ -41,7 +41,7 @@ def state(step: int, rows: int = 64) -> dict[str, torch.Tensor]:
 
 def remote_tags(endpoint: S3Endpoint, url: str) -> list[str]:
     objects = endpoint.objects(url)
-    return sorted(p.split("/")[0] for p in objects if p.endswith("/" + _format.MANIFEST))
+    return sorted(p.split("/")[0] for p in objects if p.endswith("/" + layout.MANIFEST))
 
 
 def check_complete(objects: dict[str, bytes]) -> str | None:
@@ -49,7 +49,7 @@ def check_complete(objects: dict[str, bytes]) -> str | None:
     if "latest" not in objects:
         return None
     tag = objects["latest"].decode().strip()
-    manifest = json.loads(objects[f"{tag}/{_format.MANIFEST}"])
+    manifest = json.loads(objects[f"{tag}/{layout.MANIFEST}"])
     for name, entry in manifest["files"].items():
         assert len(objects[f"{tag}/{name}"]) == entry["bytes"], f"partial tag {tag}: {name}"
     return tag
@@ -85,8 +85,8 @@ async def test_commit_is_local_then_uploaded_publishes_files_manifest_latest(
         assert await engine.uploaded("step-1") == result
         assert await engine.uploaded() == result  # the newest commit
     objects = await asyncio.to_thread(s3.objects, aoffload_s3)
-    local = (tmp_path / "step-1" / _format.MANIFEST).read_bytes()
-    assert objects["step-1/" + _format.MANIFEST] == local  # the same manifest, no re-hash
+    local = (tmp_path / "step-1" / layout.MANIFEST).read_bytes()
+    assert objects["step-1/" + layout.MANIFEST] == local  # the same manifest, no re-hash
     assert objects["latest"] == b"step-1\n"
     for name in ("model.pt", "optim/adam.pt"):
         assert objects[f"step-1/{name}"] == (tmp_path / "step-1" / name).read_bytes()
@@ -205,15 +205,15 @@ def _snapshot(endpoint: S3Endpoint, url: str) -> dict[str, bytes]:
     names was complete by then. (Read after the listing, it could name a tag published in
     between, whose files the listing predates.)"""
     try:
-        latest: bytes | None = endpoint.get(f"{url}/{_format.LATEST}")
+        latest: bytes | None = endpoint.get(f"{url}/{layout.LATEST}")
     except urllib.error.HTTPError as exc:
         if exc.code != 404:
             raise
         latest = None
     objects = endpoint.objects(url)
-    objects.pop(_format.LATEST, None)
+    objects.pop(layout.LATEST, None)
     if latest is not None:
-        objects[_format.LATEST] = latest
+        objects[layout.LATEST] = latest
     return objects
 
 
@@ -364,7 +364,7 @@ async def test_a_credential_never_appears_in_a_log_or_an_error(
         await engine.commit("step-2")
         with pytest.raises(aoffload.CheckpointError) as failed:
             await engine.uploaded("step-2")
-        config = engine._core.remote.uploader._process._config
+        config = engine._core.tier.uploader.core._process._config
         shown = [str(failed.value), repr(failed.value), repr(config), str(config)]
     logged = [record.getMessage() for record in caplog.records]
     assert any("retry 1 of 4 in 0.1 s" in line for line in logged)  # the worker's logs came
@@ -418,7 +418,7 @@ def test_the_command_line_reads_a_remote_tier(
 
 _LANES = """
 import concurrent.futures, json, os, sys, threading
-from aoffload.checkpoint.remote._store import RemoteStore
+from aoffload.checkpoint.remote.worker.store import RemoteStore
 
 url, folder = sys.argv[1], sys.argv[2]
 store = RemoteStore(url)

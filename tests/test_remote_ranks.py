@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aoffload._moto import S3Endpoint
-from aoffload.checkpoint import _format
+from aoffload.checkpoint.format import layout
 
 from ._rank_scenarios import shard
 from ._ranks import MANIFEST, assert_saved, check_files, run_ranks
@@ -23,7 +23,7 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
     results = [outcome.check() for outcome in outcomes]
     for rank, result in enumerate(results):
         for step in (1, 2, 3):  # each node keeps its own files only
-            assert result[f"local-{step}"] == [_format.MANIFEST, f"shard-{rank}.pt"]
+            assert result[f"local-{step}"] == [layout.MANIFEST, f"shard-{rank}.pt"]
         assert result["files"] == ["shard-0.pt", "shard-1.pt"]
         assert result["uploaded"]
         assert result["tags"] == ["step-2", "step-3"]
@@ -42,14 +42,14 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
     objects = sorted(found)
     assert objects == [
         "latest",
-        f"step-2/{_format.MANIFEST}",
+        f"step-2/{layout.MANIFEST}",
         "step-2/shard-0.pt",
         "step-2/shard-1.pt",
-        f"step-3/{_format.MANIFEST}",
+        f"step-3/{layout.MANIFEST}",
         "step-3/shard-0.pt",
         "step-3/shard-1.pt",
     ] or pytest.fail(f"nothing of step-4 may be published: {objects}")
-    manifest = json.loads(found[f"step-3/{_format.MANIFEST}"])
+    manifest = json.loads(found[f"step-3/{layout.MANIFEST}"])
     assert sorted(manifest["files"]) == ["shard-0.pt", "shard-1.pt"]  # one manifest, all ranks
     assert found["latest"] == b"step-3\n"
     for step in (2, 3):  # whole (xxhash, not aoffload's verifier), and what each rank saved

@@ -48,7 +48,7 @@ class Handle(Generic[_T]):
     its next call).
     """
 
-    __slots__ = ("_future", "_lock", "_seen", "_then", "_value")
+    __slots__ = ("_claim", "_future", "_lock", "_seen", "_then", "_value")
 
     def __init__(
         self,
@@ -56,15 +56,18 @@ class Handle(Generic[_T]):
         *,
         then: Callable[[Any], _T] | None = None,
         seen: Callable[[BaseException], None] | None = None,
+        claim: Callable[[], None] | None = None,
     ) -> None:
         """Wrap ``future``, a future that nobody can cancel (:func:`running_future`).
 
         ``then(value)`` makes the caller's value from the future's, on the waiting thread;
-        ``seen(error)`` is told when the future's error is raised to a caller.
+        ``seen(error)`` is told when the future's error is raised to a caller; ``claim()``,
+        when a callback takes charge of the outcome before it is known.
         """
         self._future = future
         self._then = then
         self._seen = seen
+        self._claim = claim
         self._value: Any = _EMPTY
         self._lock = threading.Lock()
 
@@ -86,6 +89,10 @@ class Handle(Generic[_T]):
         bounds this wait only: when it runs out, :class:`TimeoutError` is raised and the
         work goes on.
         """
+        self._wait_here(timeout)
+        return self._outcome()
+
+    def _wait_here(self, timeout: float | None) -> None:
         if not self._future.done():
             done, _ = concurrent.futures.wait([self._future], timeout)
             if not done:
@@ -93,7 +100,39 @@ class Handle(Generic[_T]):
                     f"{self!r} did not finish within {timeout} s; the work goes on "
                     "(call result() again, or await it)"
                 )
-        return self._outcome()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait as :meth:`result` does; the work's error, or ``None`` if it succeeded.
+
+        The error is returned, not raised; it counts as seen all the same (the engine does
+        not raise it again from its next call).
+        """
+        self._wait_here(timeout)
+        error = self._future.exception(timeout=0)
+        if error is not None and self._seen is not None:
+            self._seen(error)
+        return error
+
+    def add_done_callback(self, fn: Callable[[Handle[_T]], object]) -> None:
+        """Call ``fn(handle)`` once the work has ended, on the thread that ended it (at
+        once, on this thread, if it already has).
+
+        The callback takes charge of the outcome: a failure is its to report (it reads it
+        with :meth:`exception`), and the engine does not raise it again from its next
+        call. ``fn`` runs on aoffload's threads: it must be quick and must not wait for
+        other work of the engine; an exception it raises is logged.
+        """
+        if self._claim is not None:
+            self._claim()
+
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            if self._claim is None and self._seen is not None:
+                error = future.exception()
+                if error is not None:
+                    self._seen(error)
+            fn(self)
+
+        self._future.add_done_callback(done)
 
     def __await__(self) -> Generator[Any, None, _T]:
         if not self._future.done():

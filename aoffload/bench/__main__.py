@@ -27,6 +27,7 @@ SECTIONS = (
     "offload_adam",
     "remote",
     "preemption",
+    "dcp",
 )
 
 
@@ -287,6 +288,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         _preemption.run(
             report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir
         )
+    elif section == "dcp":
+        from . import _dcp
+
+        _dcp.run(report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir)
     elif section == "looplag":
         from . import _looplag
 

@@ -20,7 +20,7 @@ other, each also alone.
 A control for OffloadAdam's own cost: the same overlap inside the trainer's process, each
 parameter stepped by the same kernel on a thread as its gradient arrives, scheduled as the
 worker schedules its steps (a stepping thread per torch thread, all but one while the
-backward runs, all after: the worker's own :class:`~aoffload.optimizer._stepper.Stepper`),
+backward runs, all after: the worker's own :class:`~aoffload.optimizer.worker._stepper.Stepper`),
 with no process, pipe or shared memory. It is a control, not a floor: its hooks and step
 calls run on Python threads that share the trainer's GIL, which a worker process does not,
 so a worker can beat it (``worker_cores=0.5`` has, below ``t_b`` = 30 ms). Beside the
@@ -172,7 +172,7 @@ def _paced_in_process(adam: list[float] | None, numel: int) -> Step:
 def _paced_thread(stack: contextlib.AsyncExitStack, numel: int) -> Step:
     """The overlap without a worker: a post-accumulate-grad hook hands each parameter's
     fused AdamW step to the worker's own scheduler, in this process."""
-    from aoffload.optimizer._stepper import Stepper
+    from aoffload.optimizer.worker._stepper import Stepper
 
     model = _PacedModel(numel)
     stepper = Stepper(torch.get_num_threads())  # as many as the worker's (see _service)

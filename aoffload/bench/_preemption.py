@@ -123,7 +123,7 @@ async def _costs(engine: Any, calls: int, batches: int) -> dict[str, list[float]
     async with aoffload.CheckpointEngine(directory) as alone:
         costs["reached (one process)"] = await _reached_cost(alone.preemption(), calls, batches)
     # The engine's own store, on a connection of this benchmark's.
-    store = engine._core._ranks.rendezvous.connect()
+    store = engine._core.coordinator.rendezvous.connect()
     one = torch.zeros(1)
     others: list[tuple[str, Callable[[], object]]] = [
         ("store round trip", lambda: store.check(["aoffload/bench/none"])),

@@ -1,25 +1,21 @@
-"""Checkpointing: :class:`CheckpointEngine` and the threads and writer process behind it.
+"""Checkpointing: :class:`CheckpointEngine` and the threads and processes behind it.
 
-The trainer's side, by role:
+A small core with roles plugged in, by room:
 
-- :mod:`._engine`: the asyncio face (``CheckpointEngine``, ``Staged``);
-- :mod:`._core`: the engine itself, synchronous and thread-safe (also what the DeepSpeed
-  adapter uses), and which thread does what;
-- :mod:`._tags`: the one owner of the tags in flight and their staging slots;
-- :mod:`._pipeline`: ``stage()`` to the writer, on threads (:mod:`._plan`, :mod:`._copy`,
-  :mod:`._staging`);
-- :mod:`._commit`: a commit, on the commit thread, and the catalog of committed tags;
-  :mod:`._distributed` and :mod:`._ranks`: the same across every rank;
-- :mod:`._upload`: the remote tier (``remote=``): uploads in commit order; :mod:`._resume`:
-  both tiers as one catalog, verified downloads;
-  :mod:`._spread`: ranks without a shared filesystem;
-- :mod:`._preemption`: the preemption notice; :mod:`._agreement`: the ranks agreeing on its step;
-- :mod:`._load`: verified loads; :mod:`._lock`: the directory lock;
-- :mod:`._format`: the on-disk format alone (no torch): manifest, ``latest``, scan,
-  publish, verify; :mod:`._inspect`: what the command line shows.
+- :mod:`._engine`: the face (``CheckpointEngine``: ``with`` and ``async with``, handles to
+  ``await`` or ``.result()``), :mod:`._staged` (``Staged``), :mod:`._api`
+  (``load_checkpoint``, ``load_metadata``), :mod:`._options` (the options, validated once);
+- :mod:`._assemble`: options in, the core and its roles out; the only importer of the roles;
+- ``core/``: the engine of one process writing one directory, with no feature flags; the
+  :class:`~.core.roles.Coordinator` and :class:`~.core.roles.Tier` protocols it is handed;
+- ``format/``: the on-disk format alone (no torch): what the command line reads;
+- ``writer/``: the writer process (imports nothing of the trainer's side);
+- the roles: ``ranks/`` (a coordinator: every rank of a job), ``remote/`` (a tier: uploads,
+  resume from an object store; its uploader process in ``remote/worker/``), ``preemption/``
+  (the notice, and the ranks agreeing on its step).
 
-The writer process's side is :mod:`.writer`; nothing there imports the trainer's side.
-The uploader process's side is :mod:`.remote` (it reads the format, :mod:`._format`).
+Import direction: ``format`` <- ``core`` <- roles <- ``_assemble`` <- faces; the test
+``tests/test_layering.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -28,23 +24,23 @@ import typing as _typing
 
 from .._lazy import exports as _exports
 
-# Imported on first use (PEP 562): the command line reads the format (_format, _inspect)
-# without importing torch.
+# Imported on first use (PEP 562): the command line reads the format (format/) without
+# importing torch.
 if _typing.TYPE_CHECKING:
-    from ._commit import CommitResult as CommitResult
+    from ._api import load_checkpoint as load_checkpoint
+    from ._api import load_metadata as load_metadata
     from ._engine import CheckpointEngine as CheckpointEngine
+    from ._engine import CommitResult as CommitResult
+    from ._engine import PreemptionNotice as PreemptionNotice
     from ._engine import Staged as Staged
-    from ._load import load_checkpoint as load_checkpoint
-    from ._load import load_metadata as load_metadata
-    from ._preemption import PreemptionNotice as PreemptionNotice
 else:
     _LAZY = {
-        "CommitResult": "._commit",
+        "CommitResult": "._engine",
         "CheckpointEngine": "._engine",
         "Staged": "._engine",
-        "load_checkpoint": "._load",
-        "load_metadata": "._load",
-        "PreemptionNotice": "._preemption",
+        "load_checkpoint": "._api",
+        "load_metadata": "._api",
+        "PreemptionNotice": "._engine",
     }
 
     __getattr__, __dir__ = _exports(__name__, globals(), _LAZY)

@@ -1,84 +1,38 @@
 """Snapshot-consistent, crash-safe checkpoints for synchronous and asyncio trainers:
 :class:`CheckpointEngine`.
 
-The engine is a face on :class:`~._core.EngineCore`, whose threads and writer process do
-all the work: the caller only learns that it is finished. Every call that waits returns a
-:class:`~aoffload.Handle`: an asyncio trainer awaits it, a synchronous one calls
-``.result()``. ``stage()`` returns with the snapshot copy under way (its :class:`Staged`
-is the fence). ``commit()`` and ``commit_soon()`` hand the commit to the commit thread at
-once: the files become durable, the manifest, the tag and ``latest`` are published, and
-old tags retired, while the caller's thread is busy in a training step. See
-:mod:`._format` for the on-disk protocol.
+The engine is a face on :class:`~.core.engine.EngineCore`, whose threads and writer
+process do all the work: the caller only learns that it is finished. Every call that
+waits returns a :class:`~aoffload.Handle`: an asyncio trainer awaits it, a synchronous one
+calls ``.result()``. ``stage()`` returns with the snapshot copy under way (its
+:class:`~._staged.Staged` is the fence). ``commit()`` and ``commit_soon()`` hand the
+commit to the commit thread at once: the files become durable, the manifest, the tag and
+``latest`` are published, and old tags retired, while the caller's thread is busy in a
+training step. The options make an :class:`~._options.EngineOptions`, from which the
+assembler (:mod:`._assemble`) builds the core and its roles. See ``format/`` for the
+on-disk protocol.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._errors import InvalidStateError
 from .._runtime.handle import Handle
 from .._runtime.resource import Resource
-from .._runtime.threads import running_future
-from ._commit import CommitResult
-from ._core import EngineCore
-from ._load import MapLocation
-from ._pipeline import Unloadable
-from ._preemption import PreemptionNotice
-from ._tags import FileJob
+from ._assemble import PreemptionNotice, assemble, signal_set
+from ._options import EngineOptions
+from ._staged import Staged
+from .core.load import MapLocation
+from .core.loadable import Unloadable
+from .core.result import CommitResult
 
-__all__ = ["CheckpointEngine", "CommitResult", "Staged"]
-
-
-class Staged(Handle[None]):
-    """What :meth:`CheckpointEngine.stage` returns: one call's snapshot copy, in flight.
-
-    A :class:`~aoffload.Handle`: ``await staged`` (asyncio) or ``staged.result()`` (any
-    thread) returns ``None`` once every tensor of the call is copied into staging memory
-    (at once, without suspending, if it already is); from then on the caller may mutate
-    or free them. Run the fence on the thread that owns the state (the training loop's):
-    it checks that nothing was modified in place since ``stage()``. It raises what the
-    staging raised (:class:`InvalidStateError` naming the key for bad input,
-    :class:`CheckpointError` naming the key of a tensor modified in place since
-    ``stage()`` was called, :class:`WorkerDiedError`). A failure raised here is not raised
-    again by ``commit()``. An abandoned wait (a cancelled await, a ``result(timeout)``
-    that ran out) abandons the wait only. :meth:`done` tells without waiting.
-    """
-
-    __slots__ = ("_core", "_job", "name", "tag")
-
-    def __init__(self, job: FileJob | None, core: EngineCore, name: str, tag: str) -> None:
-        if job is None:  # a replica: nothing to copy
-            nothing = running_future()
-            nothing.set_result(None)
-            super().__init__(nothing)
-        else:
-            super().__init__(job.staged, seen=lambda exc: core.tags.seen(job, exc))
-        self._job, self._core, self.name, self.tag = job, core, name, tag
-
-    def done(self) -> bool:
-        """Whether the copy has ended (successfully or not).
-
-        Once it returns ``True`` the fence has been passed: the tensors may be modified.
-        """
-        if not super().done():
-            return False
-        if self._job is not None:
-            with contextlib.suppress(Exception):  # raised by the wait
-                self._core.seal(self._job)
-        return True
-
-    def _finish(self, value: Any) -> None:
-        if self._job is not None:
-            self._core.seal(self._job)
-
-    def __repr__(self) -> str:
-        state = "done" if super().done() else "copying"
-        return f"<Staged {self.tag}/{self.name} {state}>"
+__all__ = ["CheckpointEngine", "CommitResult", "PreemptionNotice", "Staged"]
 
 
 class CheckpointEngine(Resource):
@@ -96,7 +50,7 @@ class CheckpointEngine(Resource):
     manifest records a sequence number one above the highest found in ``directory``.
 
     ``distributed=True`` makes one checkpoint of every rank of a ``torch.distributed``
-    job (see :mod:`._distributed`): ``start()`` and ``commit()`` are collectives, each
+    job (see ``ranks/``): ``start()`` and ``commit()`` are collectives, each
     rank saves its own files, and ``commit_timeout`` bounds the wait for a rank whose
     writer never reports (a blocked event loop never counts: reports come from a thread).
 
@@ -146,8 +100,8 @@ class CheckpointEngine(Resource):
         early_uploads: bool = False,
         upload_backoff: float = 0.5,
     ) -> None:
-        self._core = EngineCore(
-            directory,
+        options = EngineOptions(
+            directory=Path(directory),
             keep_last=keep_last,
             max_pending=max_pending,
             writer=writer,
@@ -164,6 +118,10 @@ class CheckpointEngine(Resource):
             early_uploads=early_uploads,
             upload_backoff=upload_backoff,
         )
+        parts = assemble(options)
+        self._core = parts.core
+        self._notices = parts.notice
+        self._notice: PreemptionNotice | None = None
         super().__init__()
 
     # -- introspection -----------------------------------------------------------------
@@ -186,6 +144,11 @@ class CheckpointEngine(Resource):
         """Committed tags, oldest first (by commit order), as of start and own commits."""
         return self._core.catalog.tags
 
+    def pending(self) -> list[str]:
+        """The tags in flight, oldest first: staged into, or being committed (those take no
+        more files), and not yet published nor discarded."""
+        return self._core.tags.open_tags()
+
     # -- lifecycle ----------------------------------------------------------------------
 
     def _open(self) -> None:
@@ -203,12 +166,13 @@ class CheckpointEngine(Resource):
         failure of a background commit nobody saw.
         """
         self._uninstall_notice()
+        if self._notice is not None:
+            self._notice.close()
         self._core.close()
 
     def _uninstall_notice(self) -> None:
-        notice = self._core.notice
-        if notice is not None:
-            notice.uninstall()  # on the caller's thread: the main thread restores handlers
+        if self._notice is not None:
+            self._notice.uninstall()  # on the caller's thread: the main thread restores them
 
     async def aclose(self) -> None:
         """Finish commits in flight, stop the writer, release staging memory (awaited).
@@ -264,7 +228,7 @@ class CheckpointEngine(Resource):
         latest: bool = True,
         metadata: Mapping[str, Any] | None = None,
     ) -> Handle[CommitResult]:
-        """Make checkpoint ``tag`` durable and publish it (and ``latest``); see :mod:`._format`.
+        """Make checkpoint ``tag`` durable and publish it (and ``latest``); see ``format/``.
 
         The commit starts when this is called and runs on the engine's commit thread,
         whatever the caller does next; the returned :class:`~aoffload.Handle` waits for
@@ -293,7 +257,9 @@ class CheckpointEngine(Resource):
         """A handle on a commit or an upload that the engine owns: its failure, once raised
         to a caller, is not raised again by the engine's next call."""
         tags = self._core.tags
-        return Handle(future, seen=lambda _: tags.commit_seen(future))
+        return Handle(
+            future, seen=lambda _: tags.commit_seen(future), claim=lambda: tags.commit_seen(future)
+        )
 
     def commit_soon(
         self, tag: str | None = None, *, metadata: Mapping[str, Any] | None = None
@@ -336,6 +302,21 @@ class CheckpointEngine(Resource):
         self.check_running()
         return self._owned(self._core.uploaded(tag))
 
+    def remove(self, tag: str, *, before: Callable[[], None] | None = None) -> Handle[bool]:
+        """Delete committed checkpoint ``tag`` once the commits requested before this call
+        have ended; a :class:`~aoffload.Handle` of whether it was deleted.
+
+        The deletion runs on the engine's commit thread, after those commits: a checkpoint
+        is deleted only once the newer ones are durable. If one of them failed, ``tag`` is
+        kept (logged at WARNING) and the handle gives ``False``; likewise when ``tag`` is
+        not committed. Where ``latest`` names ``tag``, it first moves (atomically) to the
+        newest other tag. ``before()``, if given, runs on the commit thread once the
+        deletion is decided, just before it (to remove what refers to the tag first: a
+        link to one of its files). Raises :class:`InvalidStateError` for a bad tag.
+        """
+        self.check_running()
+        return Handle(self._core.remove(tag, before))
+
     # -- preemption ---------------------------------------------------------------------
 
     def preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> PreemptionNotice:
@@ -353,7 +334,17 @@ class CheckpointEngine(Resource):
         engine closes, so the final checkpoint lands.
         """
         self.check_running()
-        return self._core.preemption(signals)
+        if self._notice is not None:
+            if self._notice.signals != signal_set(signals):
+                raise InvalidStateError(
+                    f"this engine's preemption notice listens for {self._notice.signals}; "
+                    "it cannot listen for other signals"
+                )
+            return self._notice
+        notice = self._notices(signals)
+        notice.start()
+        self._notice = notice
+        return notice
 
     # -- load ---------------------------------------------------------------------------
 

@@ -1,20 +1,18 @@
 """DeepSpeed's ``CheckpointEngine`` interface, backed by aoffload's checkpoint engine.
 
-:class:`AsyncCheckpointEngine` drives :class:`~aoffload.checkpoint._core.EngineCore`, the
-synchronous, thread-safe engine behind :class:`aoffload.CheckpointEngine`, directly from
-DeepSpeed's thread: no event loop anywhere. The copy, the writes and the commits run on
-the engine's threads and writer process; the adapter's methods only hand work over and,
-at the fence, wait on futures. :func:`install` puts it on a ``DeepSpeedEngine``. See
-``docs/deepspeed.md`` for how to install it and why ``latest`` stays truthful.
+:class:`AsyncCheckpointEngine` drives :class:`aoffload.CheckpointEngine` through its
+synchronous face, from DeepSpeed's thread: no event loop anywhere. The copy, the writes
+and the commits run on the engine's threads and writer process; the adapter's methods only
+hand work over and, at the fence, wait on handles (``.result()``). :func:`install` puts it
+on a ``DeepSpeedEngine``. See ``docs/deepspeed.md`` for how to install it and why
+``latest`` stays truthful.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,10 +24,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DeepSpeedCheckpointEngine,
 )
 
-from .._errors import AoffloadError, CheckpointError, ClosedError
-from ..checkpoint._core import EngineCore
-from ..checkpoint._load import Remote, in_writer
-from ..checkpoint._tags import FileJob
+from .. import AoffloadError, CheckpointEngine, CheckpointError, ClosedError, Handle, Staged
 from ._inflight import CommitsInFlight
 from ._load import load_verified
 
@@ -44,7 +39,7 @@ class _Open:
 
     info: CheckpointCommitInfo
     files: int = 0
-    staged: list[FileJob] = dataclasses.field(default_factory=list)
+    staged: list[Staged] = dataclasses.field(default_factory=list)
 
 
 def _name_in(opened: _Open | None, path: str) -> str | None:
@@ -57,16 +52,11 @@ def _name_in(opened: _Open | None, path: str) -> str | None:
     return name if tag == info.tag else None
 
 
-def _fence(engine: EngineCore, staged: list[FileJob]) -> None:
+def _fence(staged: list[Staged]) -> None:
     """Block until every copy of ``staged`` has ended and passed the fence's check; raise
     the first failure (once)."""
-    for job in staged:
-        try:
-            job.staged.result()
-        except BaseException as exc:
-            engine.tags.seen(job, exc)
-            raise
-        engine.seal(job)
+    for copy in staged:
+        copy.result()
 
 
 class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
@@ -129,7 +119,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         self._distributed = distributed
         self._writer = writer
         self._directory: str | None = None
-        self._engines: dict[str, EngineCore] = {}
+        self._engines: dict[str, CheckpointEngine] = {}
         self._open: _Open | None = None
         self._commits = CommitsInFlight(commit_timeout)
         self._closed = False
@@ -153,13 +143,13 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         if self._closed:
             raise ClosedError("the AsyncCheckpointEngine was cleaned up")
 
-    def _bind(self, directory: str) -> EngineCore:
+    def _bind(self, directory: str) -> CheckpointEngine:
         """The aoffload engine (one writer process) for ``directory``, started on first use."""
         directory = os.path.abspath(directory)
         engine = self._engines.get(directory)
         if engine is None:
             os.makedirs(directory, exist_ok=True)
-            engine = EngineCore(directory, **self._options)
+            engine = CheckpointEngine(directory, **self._options)
             engine.start()
             self._engines[directory] = engine
             if self._directory is None:
@@ -174,13 +164,13 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         info = opened.info
         engine = self._bind(info.save_dir)
         # The fence: every copy of this tag has ended before DeepSpeed's optimizer step.
-        _fence(engine, opened.staged)
+        _fence(opened.staged)
         # Distributed: every rank takes part in every commit, with or without files.
         # aoffload publishes tags in commit order and moves `latest` (the same plain-text
         # file DeepSpeed reads) only once the tag is durable (on every rank, if distributed).
-        future = engine.commit(info.tag, info.save_latest)
-        future.add_done_callback(_log_durable)
-        self._commits.add(info.tag, future, engine.tags)
+        commit = engine.commit(info.tag, latest=info.save_latest)
+        commit.add_done_callback(_log_durable)  # its failure is the adapter's to raise
+        self._commits.add(info.tag, commit)
 
     # -- DeepSpeed's CheckpointEngine interface ---------------------------------------------
 
@@ -225,9 +215,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             torch.save(state_dict, path)
             return
         engine = self._bind(self._open.info.save_dir)
-        job = engine.stage(state_dict, name, self._open.info.tag)
-        if job is not None:
-            self._open.staged.append(job)
+        self._open.staged.append(engine.stage(state_dict, name, tag=self._open.info.tag))
         self._open.files += 1
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -241,11 +229,7 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
         """
         self._check_open()
         self.wait()
-        return load_verified(path, map_location, self._loader_for)
-
-    def _loader_for(self, directory: Path) -> Remote:
-        engine = self._engines.get(os.path.abspath(directory))
-        return in_writer(engine.writer if engine is not None else None)
+        return load_verified(path, map_location, self._engines)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Wait for the tag's snapshot copy, start its commit, return; durable in the background.
@@ -322,9 +306,9 @@ class AsyncCheckpointEngine(_DeepSpeedCheckpointEngine):  # type: ignore[misc]
             raise failures[0]
 
 
-def _log_durable(future: concurrent.futures.Future[Any]) -> None:
-    if future.exception() is None:
-        result = future.result()
+def _log_durable(commit: Handle[Any]) -> None:
+    if commit.exception() is None:
+        result = commit.result()
         logger.info("checkpoint %s is durable (%d bytes)", result.tag, result.bytes)
 
 

@@ -13,15 +13,19 @@ file loads (:data:`DEEPSPEED_SAFE_GLOBALS`). Objects of your own in ``client_sta
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
-from ..checkpoint import _format, _paths
-from ..checkpoint._load import MapLocation, Remote, load_file, temporary_loader
+from .. import (
+    CheckpointEngine,
+    CheckpointError,
+    CorruptCheckpointError,
+    load_checkpoint,
+    load_metadata,
+)
 
 __all__ = ["DEEPSPEED_SAFE_GLOBALS", "deepspeed_safe_globals", "load_verified", "locate"]
 
@@ -52,15 +56,22 @@ def deepspeed_safe_globals() -> list[Any]:
 def locate(path: str) -> tuple[Path, str, str]:
     """``(directory, tag, name)`` of ``path``, a file of a committed aoffload tag.
 
-    The tag is the nearest directory above ``path`` that holds a manifest; a file of no
-    committed tag is a :class:`CheckpointError` (aoffload loads only verified files).
+    The tag is the nearest directory above ``path`` that is a committed checkpoint of its
+    parent (its manifest is read); a file of no committed tag is a
+    :class:`CheckpointError` (aoffload loads only verified files), an unreadable manifest a
+    :class:`CorruptCheckpointError`.
     """
     file = Path(os.path.abspath(path))
     for folder in list(file.parents)[:_TAG_DEPTH]:
-        if _paths.kind(folder / _format.MANIFEST) == "file":
-            return folder.parent, folder.name, file.relative_to(folder).as_posix()
+        try:
+            load_metadata(folder.parent, folder.name).result()
+        except CorruptCheckpointError:
+            raise
+        except CheckpointError:  # not a committed tag (nor a tag's name)
+            continue
+        return folder.parent, folder.name, file.relative_to(folder).as_posix()
     raise CheckpointError(
-        f"{path} is not a file of a committed aoffload checkpoint (no {_format.MANIFEST} in "
+        f"{path} is not a file of a committed aoffload checkpoint (no manifest in "
         "the directories above it), so it cannot be verified; AsyncCheckpointEngine.load "
         "loads only verified files. A checkpoint written by DeepSpeed's own engine loads "
         "with that engine"
@@ -68,16 +79,18 @@ def locate(path: str) -> tuple[Path, str, str]:
 
 
 def load_verified(
-    path: str,
-    map_location: MapLocation,
-    remote_for: Callable[[Path], Remote] = lambda directory: temporary_loader,
+    path: str, map_location: Any, engines: Mapping[str, CheckpointEngine] | None = None
 ) -> Any:
     """Load ``path`` (blocking): verified against its tag's manifest, then
     ``torch.load(weights_only=True)`` with DeepSpeed's own classes allowed.
 
-    ``remote_for(directory)`` says which worker loads a file with a large pickle (the
-    directory's writer when the adapter runs one there).
+    A directory with a running engine among ``engines`` (by absolute path) is loaded by it
+    (its writer loads a file with a large pickle); any other with
+    :func:`aoffload.load_checkpoint`.
     """
     directory, tag, name = locate(path)
+    engine = (engines or {}).get(os.path.abspath(directory))
     with torch.serialization.safe_globals(deepspeed_safe_globals()):
-        return load_file(directory, name, tag, map_location, True, remote_for(directory))
+        if engine is not None:
+            return engine.load(name, tag=tag, map_location=map_location).result()
+        return load_checkpoint(directory, name, tag, map_location=map_location).result()

@@ -19,9 +19,9 @@ from deepspeed.runtime.superoffload.superoffload_utils import EventTypes, Result
 
 from .._errors import ClosedError, OptimizerError
 from ..optimizer import StepKind, StepResult
-from ..optimizer._calls import GROUP_KEYS
 from ..optimizer._core import OptimizerCore
 from ..optimizer._subgroups import check_options
+from ..optimizer.worker._calls import GROUP_KEYS
 
 __all__ = ["SuperOffloadCPUOptimizer", "install_superoffload"]
 
@@ -182,7 +182,7 @@ class SuperOffloadCPUOptimizer:
             )
         key = (param_group_id, sub_group_id)
         param, grad = self._tensors(key, fp32_param, fp32_grad)
-        self._core.submit(param_group_id, sub_group_id, param, grad, lr=lr, rollback=rollback)
+        self._core.submit((param_group_id, sub_group_id), param, grad, lr=lr, rollback=rollback)
         if key not in self._registered:  # registered by this first step: record its memory
             self._registered[key] = (param, grad)
 

@@ -2,8 +2,8 @@
 
 Lightning calls ``save_checkpoint(checkpoint, path)`` synchronously from its training
 loop, which runs no event loop, so :class:`AsyncCheckpointIO` drives
-:class:`~aoffload.checkpoint._core.EngineCore` directly from Lightning's thread (as the
-DeepSpeed adapter does): no event loop anywhere, no thread running one.
+:class:`aoffload.CheckpointEngine` through its synchronous face from Lightning's thread (as
+the DeepSpeed adapter does): no event loop anywhere, no thread running one.
 
 The files live in an aoffload checkpoint directory next to them, ``<dir>/.aoffload/``:
 one tag per save, named after the file, holding it under its own name::
@@ -22,23 +22,29 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from .._errors import AoffloadError, CheckpointError, ClosedError
-from .._runtime.threads import running_future
-from ..checkpoint import _format
-from ..checkpoint._core import EngineCore
-from ..checkpoint._load import MapLocation, in_writer, load_file, temporary_loader
-from ..checkpoint._pipeline import Unloadable
+from .. import (
+    AoffloadError,
+    CheckpointEngine,
+    CheckpointError,
+    CorruptCheckpointError,
+    Handle,
+    load_checkpoint,
+    load_metadata,
+)
 
 __all__ = ["AsyncCheckpointIO"]
 
 logger = logging.getLogger(__name__)
+
+Unloadable = Literal["warn", "error", "ignore"]
 
 STORE = ".aoffload"
 """The aoffload checkpoint directory next to the checkpoints, holding their files."""
@@ -61,7 +67,15 @@ def _link(path: Path, target: Path, durable: bool) -> None:
     os.symlink(os.path.relpath(target, path.parent), temporary)
     os.replace(temporary, path)
     if durable:
-        _format.fsync_path(path.parent)
+        _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _Store:
@@ -71,19 +85,19 @@ class _Store:
         self.parent = parent
         self.root = parent / STORE
         self.durable = bool(options["durable"])
-        self.engine = EngineCore(self.root, **options)
+        self.engine = CheckpointEngine(self.root, **options)
         self.engine.start()
         self.pending: dict[Path, str] = {}  # path -> the tag it will link to
         self.work: list[concurrent.futures.Future[Any]] = []
 
     def tag_for(self, name: str) -> str:
         """A tag for a new save of file ``name``: the name, made unique."""
-        taken = set(self.engine.tags.open_tags())
+        taken = {*self.engine.pending(), *self.engine.tags()}
         tag, n = name, 0
-        while tag in taken or self.engine.catalog.committed(tag):
+        while tag in taken:
             n += 1
             tag = f"{name}~{n}"
-        return _format.validate_tag(tag)
+        return tag
 
     def tag_of(self, path: Path) -> str | None:
         """The tag ``path`` is (or will be) this store's link to, or ``None``."""
@@ -190,12 +204,12 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
         for key in ("epoch", "global_step"):
             if isinstance(checkpoint.get(key), int):
                 metadata[key] = checkpoint[key]
-        commit = store.engine.commit(tag, True, metadata)
-        store.engine.tags.commit_seen(commit)  # raised by this plugin, not by the engine
-        linked: concurrent.futures.Future[None] = running_future()
+        commit = store.engine.commit(tag, metadata=metadata)
+        linked: concurrent.futures.Future[None] = concurrent.futures.Future()
+        linked.set_running_or_notify_cancel()
         store.pending[path] = tag
 
-        def link(done: concurrent.futures.Future[Any]) -> None:  # the commit thread
+        def link(done: Handle[Any]) -> None:  # the commit thread
             try:
                 error = done.exception()
                 if error is None:
@@ -212,7 +226,7 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 linked.set_exception(error)
 
         store.track(linked)
-        commit.add_done_callback(link)
+        commit.add_done_callback(link)  # the failure is raised by this plugin, not the engine
 
     # -- Lightning's CheckpointIO interface ----------------------------------------------------
 
@@ -235,21 +249,14 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
         path = _local(path)
         store = self._store(path.parent)
         tag = store.tag_for(path.name)
-        job = store.engine.stage(checkpoint, path.name, tag)
-        if job is None:  # pragma: no cover - the plugin's engines always write
-            raise ClosedError("the checkpoint engine has no writer")
+        staged = store.engine.stage(checkpoint, path.name, tag=tag)
         started = time.perf_counter()
-        try:
-            job.staged.result()
-        except BaseException as exc:
-            store.engine.tags.seen(job, exc)
-            raise
-        store.engine.seal(job)  # the exact snapshot: nothing modified since stage()
+        staged.result()  # the fence: the exact snapshot, nothing modified since stage()
         logger.debug("%s staged in %.3f s", path, time.perf_counter() - started)
         self._commit(store, path, tag, checkpoint)
 
     def load_checkpoint(
-        self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load ``path``, verified against its manifest, once the saves in flight are durable.
 
@@ -270,22 +277,20 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
         root = target.parent.parent
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if root.name != STORE or not (target.parent / _format.MANIFEST).is_file():
-            loaded: dict[str, Any] = torch.load(
-                path, map_location=map_location, weights_only=weights_only is not False
-            )
+        tag, safe = target.parent.name, weights_only is not False
+        if root.name != STORE or not _committed(root, tag):
+            loaded: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=safe)
             return loaded
         owner = self._stores.get(root.parent)
-        remote = in_writer(owner.engine.writer) if owner is not None else temporary_loader
-        state: dict[str, Any] = load_file(
-            root,
-            target.name,
-            target.parent.name,
-            map_location,
-            True,
-            remote,
-            weights_only is not False,
-        )
+        if owner is not None:  # its writer loads a file with a large pickle
+            load = owner.engine.load(
+                target.name, tag=tag, map_location=map_location, weights_only=safe
+            )
+        else:
+            load = load_checkpoint(
+                root, target.name, tag, map_location=map_location, weights_only=safe
+            )
+        state: dict[str, Any] = load.result()
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -309,16 +314,21 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if path.is_symlink() or path.is_file():
                 path.unlink()
             elif path.is_dir():
-                _format.remove_tree(path)
+                shutil.rmtree(path)
             return
 
         def unlink(store: _Store = store, tag: str = tag) -> None:  # the commit thread
             if store.tag_of(path) == tag and path.is_symlink():
                 path.unlink()
                 if store.durable:
-                    _format.fsync_path(path.parent)
+                    _fsync_directory(path.parent)
 
-        store.track(store.engine.remove(tag, unlink))
+        removal: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        removal.set_running_or_notify_cancel()
+        store.engine.remove(tag, before=unlink).add_done_callback(
+            lambda done: _settle(removal, done)
+        )
+        store.track(removal)
 
     def teardown(self) -> None:
         """Wait until every save is durable and linked, then stop the writers.
@@ -340,3 +350,23 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     failures.append(exc)
         if failures:
             raise failures[0]
+
+
+def _committed(root: Path, tag: str) -> bool:
+    """Whether ``tag`` is a committed checkpoint of ``root`` (its manifest is read)."""
+    try:
+        load_metadata(root, tag).result()
+    except CorruptCheckpointError:
+        return True  # committed, damaged: the load says how
+    except CheckpointError:
+        return False
+    return True
+
+
+def _settle(future: concurrent.futures.Future[Any], done: Handle[Any]) -> None:
+    """Give ``future`` the outcome of ``done`` (which has ended)."""
+    error = done.exception()
+    if error is None:
+        future.set_result(done.result())
+    else:
+        future.set_exception(error)

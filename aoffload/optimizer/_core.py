@@ -30,11 +30,12 @@ from .._errors import ClosedError, OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ._affinity import Affinity, Split, plan_split
-from ._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Step
+from ._builds import startup_timeout, tell_fallback
 from ._results import Outcomes, Pending, StepKind, StepResult
-from ._service import TARGET
 from ._state import StateTransfer, parse
 from ._subgroups import Registry, SubGroup, check_registered, share, valid_lr, validate
+from .worker import TARGET
+from .worker._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Settle, Step
 
 __all__ = ["OptimizerCore"]
 
@@ -131,22 +132,15 @@ class OptimizerCore:
         try:
             worker.ready.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise worker.startup_timeout(timeout) from None
+            building = startup_timeout(timeout, self._requested_backend, worker.pid)
+            raise (building or worker.startup_timeout(timeout)) from None
         info = worker.request(GetInfo())
         self.info = info
         self.backend = info.backend
-        logger.info(
-            "CPUAdam worker (pid %s): %s backend%s, %d threads, worker cores %s, trainer cores %s",
-            worker.pid,
-            info.backend,
-            ""
-            if info.op_library is None
-            else f" (op {info.op_library}, DeepSpeed "
-            f"{'imported' if info.deepspeed_imported else 'not imported'})",
-            info.threads,
-            "unpinned" if info.cores is None else list(info.cores),
-            split.trainer if split.worker is not None else "unpinned",
-        )
+        if info.fallback is not None:
+            tell_fallback(info.fallback)
+        trainer = split.trainer if split.worker is not None else "unpinned"
+        logger.info("CPUAdam worker (pid %s): %s, trainer cores %s", worker.pid, info, trainer)
 
     def pin(self) -> None:
         """Pin the trainer to its side of the CPU split (none unless asked); on its thread."""
@@ -197,18 +191,18 @@ class OptimizerCore:
 
     def submit(
         self,
-        group_id: int,
-        subgroup_id: int,
+        key: tuple[int, int],
         param: torch.Tensor,
         grad: torch.Tensor,
         lr: float | None = None,
         rollback: bool = False,
     ) -> None:
-        """Queue one step (see :meth:`CPUAdam.submit`); from any thread, never blocks."""
+        """Queue one step of sub-group ``key`` (``(group_id, subgroup_id)``; see
+        :meth:`CPUAdam.submit`); from any thread, never blocks."""
         worker = self.check_running()
         registry = self.registry
         registry.check_not_loading()
-        key = (group_id, subgroup_id)
+        group_id, subgroup_id = key
         sub = registry.subgroups.get(key)
         register: concurrent.futures.Future[None] | None = None
         copy: torch.Tensor | None = None
@@ -274,13 +268,21 @@ class OptimizerCore:
     def hurry(self) -> None:
         """Tell the worker that the trainer now waits for the steps it sent (OffloadAdam's
         worker then steps them on every core); from any thread, never blocks."""
+        self._tell(Hurry())
+
+    def settle(self) -> None:
+        """Tell the worker that every step sent is final (OffloadAdam's worker then copies
+        the moments for the next step's backup in the background); never blocks."""
+        self._tell(Settle())
+
+    def _tell(self, call: Hurry | Settle) -> None:
         worker = self.check_running()
 
         def answered(_: object, error: BaseException | None) -> None:  # the reader thread
             if error is not None:
-                logger.warning("the CPU Adam worker could not take a Hurry: %s", error)
+                logger.warning("the CPU Adam worker could not take a %s: %s", call, error)
 
-        worker.submit_callback(Hurry(), answered)
+        worker.submit_callback(call, answered)
 
     def set_groups(self, groups: tuple[GroupConfig, ...]) -> concurrent.futures.Future[None]:
         """Replace the groups' hyper-parameters (or add groups) for the steps sent after this;

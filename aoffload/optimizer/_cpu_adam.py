@@ -60,10 +60,12 @@ class CPUAdam(AsyncResource):
 
     ``param_groups`` is a list of dicts with ``lr``, ``betas``, ``eps``, ``weight_decay``
     and ``amsgrad`` (must be false), as DeepSpeed's optimizer config; missing keys take
-    DeepSpeed's defaults and a ``params`` key is ignored. ``backend`` is ``"deepspeed"``,
-    ``"torch"`` or ``"auto"`` (DeepSpeed when it imports and its op builds; the choice is
-    logged and exposed as :attr:`backend`). See the module docstring for rollback, the
-    zero-copy contract and threads.
+    DeepSpeed's defaults and a ``params`` key is ignored. ``backend`` is ``"deepspeed"``
+    (DeepSpeed's CPU Adam op, built on first use: a minute or two, said at WARNING),
+    ``"torch"`` or ``"auto"`` (DeepSpeed's op when a worker has already loaded its build,
+    else the torch backend, said once at INFO: ``"auto"`` never builds). The choice is
+    exposed as :attr:`backend`. See the module docstring for rollback, the zero-copy
+    contract and threads.
 
     ``worker_cores=None`` (the default) changes nothing in the trainer: the worker
     inherits the process's CPUs and torch's default thread count, and the OS shares the
@@ -174,7 +176,7 @@ class CPUAdam(AsyncResource):
         bad input, before anything is sent.
         """
         self.check_running()
-        self._core.submit(group_id, subgroup_id, param, grad, lr, rollback)
+        self._core.submit((group_id, subgroup_id), param, grad, lr, rollback)
 
     # -- results -----------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._errors import OptimizerError
-from ._calls import Done
+from .worker._calls import Done
 
 __all__ = ["Outcomes", "Pending", "StepKind", "StepResult", "StepResults", "Wait", "Watcher"]
 

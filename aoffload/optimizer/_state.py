@@ -35,8 +35,8 @@ import torch
 from .._errors import OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import mark_retrieved, running_future
-from ._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
 from ._subgroups import Registry, group_config
+from .worker._calls import Allocate, GroupConfig, Kernel, Load, Release, Snapshot, StateInfo
 
 __all__ = ["FORMAT", "LoadPlan", "StateTransfer", "parse"]
 
@@ -208,17 +208,6 @@ class StateTransfer:
                 self._unclaim(buffer)
 
 
-def _group_dict(group: GroupConfig) -> dict[str, Any]:
-    return {
-        "lr": group.lr,
-        "betas": (group.beta1, group.beta2),
-        "eps": group.eps,
-        "weight_decay": group.weight_decay,
-        "amsgrad": False,
-        "bias_correction": group.bias_correction,
-    }
-
-
 def _state_dict(
     info: StateInfo, keys: list[tuple[int, int]], numels: list[int], flat: torch.Tensor
 ) -> dict[str, Any]:
@@ -238,7 +227,7 @@ def _state_dict(
     return {
         "format": FORMAT,
         "backend": info.backend,
-        "param_groups": [_group_dict(group) for group in info.groups],
+        "param_groups": [group.as_dict() for group in info.groups],
         "state": state,
         "kernel": kernel,
     }

@@ -18,7 +18,7 @@ import torch
 from .._errors import OptimizerError
 from .._runtime.core import WorkerCore
 from .._runtime.threads import mark_retrieved
-from ._calls import GROUP_KEYS, GroupConfig, Register
+from .worker._calls import GROUP_KEYS, GroupConfig, Register
 
 __all__ = [
     "BACKENDS",

@@ -1,15 +1,14 @@
-"""The uploader process's side of the remote tier: everything here runs in the worker
-(and :mod:`._store` in the command line too). Nothing here imports torch.
+"""The remote tier (``remote=URL``): uploads, resume from an object store, no shared filesystem.
 
-- :mod:`._store`: one checkpoint directory under an fsspec URL: scan, upload, publish by
-  write order, retire, download verified; retries with backoff; credentials scrubbed;
-- :mod:`._calls`: the calls the trainer sends and their answers (pure data);
-- :mod:`._service`: :class:`~._service.UploaderService`, the worker's service.
+A role the assembler plugs into the core: :class:`~.tier.RemoteTier` is the core's
+:class:`~..core.roles.Tier` when the engine has a remote tier.
 
-The trainer's side is :mod:`.._upload` (one engine's uploads) and :mod:`.._spread` (ranks
-that do not share a filesystem).
+- :mod:`.tier`: one engine's uploads, in commit order, and its remote retention;
+- :mod:`.uploader`: the uploader process as the trainer sees it; both tiers as one
+  catalog; downloads, verified and cached;
+- :mod:`.early`: a file's upload starts once it is durable, before the commit ends;
+- :mod:`.ranks`: ranks without a shared filesystem upload their own files;
+- :mod:`.url`: loading from a URL without an engine;
+- :mod:`.inspect`: what the command line shows of a URL;
+- ``worker/``: the uploader process's side (and the command line's store).
 """
-
-from ._service import TARGET as TARGET
-
-__all__ = ("TARGET",)

@@ -1,14 +1,12 @@
 """The writer process's side of checkpointing: everything here runs in the worker.
 
-- :mod:`._calls`: the calls the trainer sends and their answers (pure data, imported by
-  both sides);
-- :mod:`._service`: :class:`~._service.WriterService`, the worker's service;
-- :mod:`._sink`: the hashing, ``O_DIRECT``, double-buffered file sink;
-- :mod:`._loader`: loading a file for the trainer when its pickle is large.
+- :mod:`.calls`: the calls the trainer sends and their answers (pure data, imported by
+  both sides), and the name the writer is spawned by (``TARGET``);
+- :mod:`.service`: :class:`~.service.WriterService`, the worker's service;
+- :mod:`.sink`: the hashing, ``O_DIRECT``, double-buffered file sink;
+- :mod:`.loader`: loading a file for the trainer when its pickle is large;
+- :mod:`.watch`: a dead distributed trainer's last word, said by its writer.
 
-Nothing here imports the trainer's side of the wing.
+Nothing here imports the trainer's side of the wing; it reads the on-disk format
+(``format/``), as the trainer does.
 """
-
-from ._service import TARGET as TARGET
-
-__all__ = ("TARGET",)
