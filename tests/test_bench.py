@@ -44,6 +44,8 @@ CHARTS = (
     "distributed-durable.png",
     "overlap-step-vs-t_b.png",
     "offload_adam-step-vs-t_b.png",
+    "dcp-stall.png",
+    "dcp-durable.png",
 )
 
 

@@ -3,7 +3,7 @@
 Three kinds, each per section that has the figures for it, named by the section:
 
 * ``SECTION-stall.png``: the trainer's stall per checkpoint against the step length, one line
-  per system (figures whose metric is ``... stall, N s step``);
+  per system (figures whose metric ends ``stall, N s step`` or ``stall after a N s step``);
 * ``SECTION-durable.png``: the time until a checkpoint is durable, one bar per system (figures
   whose metric starts with ``time to durable``);
 * ``SECTION-step-vs-t_b.png``: a training step's time against the backward's length ``t_b``,
@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["DURABLE", "STALL", "STEP", "plot"]
 
-STALL = re.compile(r"\bstall, (\d+(?:\.\d+)?) s step$")
+STALL = re.compile(r"\bstall(?:,| after a) (\d+(?:\.\d+)?) s step$")
 DURABLE = re.compile(r"^time to durable\b")
 STEP = re.compile(r"^step, t_b = (\d+(?:\.\d+)?) ms\b")
 DERIVED = re.compile(r"optimizer time in the worker|ideal from c")
