@@ -103,7 +103,10 @@ def measure(
     made, it has nothing left to wait for).
     """
     columns: dict[str, list[float]] = {name: [] for name, _ in COLUMNS}
-    _steps(engine, 1)  # warm-up
+    _steps(engine, 1)  # warm-up: the first step, then a first checkpoint (its writer starts)
+    engine.save_checkpoint(str(directory), tag="warm-up")
+    _steps(engine, steps)
+    durable()
     for index in range(rounds):
         baseline = _steps(engine, steps)
         started = time.perf_counter()
