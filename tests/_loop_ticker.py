@@ -65,8 +65,9 @@ def run_delays() -> dict[int, float]:
 
 
 def waited(before: dict[int, float], after: dict[int, float]) -> float:
-    """The longest any thread waited for a CPU between two :func:`run_delays`."""
-    return max((after[tid] - before[tid] for tid in after.keys() & before.keys()), default=0.0)
+    """The longest any thread waited for a CPU between two :func:`run_delays` (a thread
+    started meanwhile: all its wait, as for the one a ``Thread.start()`` waits for)."""
+    return max((delay - before.get(tid, 0.0) for tid, delay in after.items()), default=0.0)
 
 
 def _sample() -> dict[int, float]:
