@@ -28,6 +28,7 @@ __all__ = [
     "Span",
     "SyncTree",
     "TorchRecord",
+    "UnmapSegment",
     "WatchRank",
     "WriteRecords",
     "WriterConfig",
@@ -48,6 +49,14 @@ class MapSegment(Call[None]):
 
     path: str
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnmapSegment(Call[None]):
+    """Unmap the staging segment at ``path`` (as a :class:`MapSegment` named it), if
+    mapped: its memory can go once its owner drops it (the DCP route's stagers)."""
+
+    path: str
 
 
 @dataclass(frozen=True, slots=True)

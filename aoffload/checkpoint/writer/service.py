@@ -37,6 +37,7 @@ from .calls import (
     RawRecord,
     SyncTree,
     TorchRecord,
+    UnmapSegment,
     WatchRank,
     WriterConfig,
     WriteRecords,
@@ -79,9 +80,10 @@ class WriterService(Service):
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
-        """Map a segment, write a file, fsync a tree, load a file, watch the trainer."""
+        """Map or unmap a segment, write a file, fsync a tree, load a file, watch the trainer."""
         return {
             MapSegment: self._map,
+            UnmapSegment: self._unmap,
             WriteRecords: self._write,
             SyncTree: self._sync,
             LoadFile: self._load,
@@ -104,6 +106,13 @@ class WriterService(Service):
         finally:
             os.close(fd)
         self._segments[message.path] = (mapping, memoryview(mapping))
+
+    def _unmap(self, message: UnmapSegment) -> None:
+        mapped = self._segments.pop(message.path, None)
+        if mapped is not None:
+            mapping, view = mapped
+            view.release()
+            mapping.close()
 
     def _bytes(self, data: Data) -> memoryview:
         if isinstance(data, bytes):
