@@ -18,19 +18,24 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidStateError
 from .._runtime.handle import Handle
 from .._runtime.resource import Resource
+from . import _running
 from ._assemble import PreemptionNotice, assemble, signal_set
 from ._options import EngineOptions
 from ._staged import Staged
 from .core.load import MapLocation
 from .core.loadable import Unloadable
 from .core.result import CommitResult
+
+if TYPE_CHECKING:
+    from ..dcp._face import DcpFace
 
 __all__ = ["CheckpointEngine", "CommitResult", "PreemptionNotice", "Staged"]
 
@@ -120,8 +125,11 @@ class CheckpointEngine(Resource):
         )
         parts = assemble(options)
         self._core = parts.core
+        self._remote = remote
         self._notices = parts.notice
         self._notice: PreemptionNotice | None = None
+        self._dcp: DcpFace | None = None
+        self._dcp_lock = threading.Lock()
         super().__init__()
 
     # -- introspection -----------------------------------------------------------------
@@ -149,11 +157,23 @@ class CheckpointEngine(Resource):
         more files), and not yet published nor discarded."""
         return self._core.tags.open_tags()
 
+    @property
+    def dcp(self) -> DcpFace:
+        """This engine's face for ``torch.distributed.checkpoint``: ``async_save``,
+        ``save`` and ``load`` of a DCP state dict under a tag (see ``aoffload.dcp``)."""
+        with self._dcp_lock:
+            if self._dcp is None:
+                from ..dcp._face import DcpFace  # torch.distributed.checkpoint: on demand
+
+                self._dcp = DcpFace(self)
+            return self._dcp
+
     # -- lifecycle ----------------------------------------------------------------------
 
     def _open(self) -> None:
         """Scan the directory (cleaning a crash's leftovers) and start the writer."""
         self._core.start()
+        _running.add(self)
 
     def _failing(self, exc: BaseException) -> None:
         """An exception leaving the block marks this rank failed for its peers."""
@@ -165,9 +185,12 @@ class CheckpointEngine(Resource):
         Tags saved but never committed are discarded (logged at WARNING). Raises the
         failure of a background commit nobody saw.
         """
+        _running.discard(self)
         self._uninstall_notice()
         if self._notice is not None:
             self._notice.close()
+        if self._dcp is not None:
+            self._dcp.close()
         self._core.close()
 
     def _uninstall_notice(self) -> None:
