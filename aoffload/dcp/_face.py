@@ -1,0 +1,249 @@
+"""``engine.dcp``: an engine's face for DCP state dicts, in both styles.
+
+Names follow ``torch.distributed.checkpoint``: ``async_save`` / ``save`` / ``load`` of a
+``state_dict`` under a ``checkpoint_id`` (the tag). Each returns at once with
+:class:`~aoffload.Handle` s: a synchronous trainer calls ``.result()``, an asyncio one
+awaits them. A save runs DCP's own ``async_save`` in ``THREAD`` mode with this engine's
+:class:`~aoffload.dcp.Stager` and a :class:`~aoffload.dcp.StorageWriter` bound to the
+engine; a load runs ``dcp.load`` with a :class:`~aoffload.dcp.StorageReader` on a thread
+of its own, so DCP's planners reshard into the state dict in place. With several ranks
+DCP's collectives run on a gloo group of the face's own (made on first use, a collective),
+never on the trainer's: a training step's collectives on the default group cannot
+interleave with them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+    async_save,
+)
+
+from .._errors import CheckpointError
+from .._runtime.handle import Handle, in_thread
+from .._runtime.threads import running_future
+from ._reader import StorageReader
+from ._service import Service
+from ._stager import Stager
+from ._writer import StorageWriter
+
+if TYPE_CHECKING:
+    from ..checkpoint._engine import CheckpointEngine
+    from ..checkpoint.core.result import CommitResult
+
+__all__ = ["AsyncSave", "DcpFace"]
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncSave:
+    """What ``engine.dcp.async_save`` returns, as DCP's ``AsyncSaveResponse``:
+    ``staging_completion`` is the fence (the state may change once it resolves);
+    ``upload_completion`` resolves to the tag's :class:`~aoffload.CommitResult` once it is
+    published (durable on every rank, ``latest`` moved)."""
+
+    staging_completion: Handle[None]
+    upload_completion: Handle[CommitResult]
+
+
+def unwrapped(exc: CheckpointException) -> BaseException:
+    """The failure of the lowest failed rank out of DCP's ``CheckpointException``."""
+    if not exc.failures:
+        return exc
+    rank = min(exc.failures)
+    failure = exc.failures[rank]
+    error = failure[0] if isinstance(failure, tuple) else failure
+    return error if isinstance(error, BaseException) else exc
+
+
+class DcpFace:
+    """``engine.dcp``: DCP state dicts saved and loaded through one engine (see the module)."""
+
+    def __init__(self, engine: CheckpointEngine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._service: Service | None = None
+        self._stager: Stager | None = None
+        self._group: Any = None
+        self._closed = False
+
+    @property
+    def service(self) -> Service:
+        """The DCP route's calls into this engine (what ``StorageWriter`` uses)."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the checkpoint engine is closed")
+            if self._service is None:
+                self._service = Service(self._engine._core)
+            return self._service
+
+    def _parts(self) -> tuple[Stager, Any, bool]:
+        """This face's stager, DCP's process group and whether DCP runs without one."""
+        self._engine.check_running()
+        with self._lock:
+            if self._stager is None:
+                self._stager = Stager()
+            stager = self._stager
+        alone = not self._engine._core.coordinator.together
+        if alone:
+            return stager, None, True
+        with self._lock:
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")  # every rank makes it alike
+            return stager, self._group, False
+
+    # -- save -------------------------------------------------------------------------------
+
+    def async_save(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        checkpoint_id: str,
+        planner: SavePlanner | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncSave:
+        """Save ``state_dict`` as checkpoint ``checkpoint_id``; returns once the copy started.
+
+        DCP's ``async_save`` (``THREAD`` mode) with this engine's :class:`Stager`: await
+        (or ``.result()``) ``staging_completion`` before you modify the state (a tensor
+        modified in place before the copy ended fails the save, naming it), and
+        ``upload_completion`` for the :class:`CommitResult`. ``metadata`` (JSON values) is
+        stored in the manifest. Every rank calls it with the same ``checkpoint_id``; a
+        failure on any rank raises on every rank.
+        """
+        stager, group, alone = self._parts()
+        writer = StorageWriter(
+            self._engine.directory, checkpoint_id, engine=self._engine, metadata=metadata
+        )
+        response = async_save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=stager,
+            no_dist=alone,
+        )
+        if not isinstance(response, AsyncSaveResponse):  # pragma: no cover - a Future stager
+            raise CheckpointError("DCP's async_save did not stage asynchronously")
+        tag = writer.tag or checkpoint_id
+        published: concurrent.futures.Future[CommitResult] = running_future()
+
+        def uploaded(done: concurrent.futures.Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                error = unwrapped(error) if isinstance(error, CheckpointException) else error
+                published.set_exception(error)
+                return
+            try:  # this rank's commit of the tag: ended on rank 0, ending on the others
+                commit = self._engine.commit(tag)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                published.set_exception(exc)
+                return
+            commit.add_done_callback(lambda handle: _settle(published, handle))
+
+        response.upload_completion.add_done_callback(uploaded)
+        return AsyncSave(Handle(_chained(response.staging_completion)), Handle(published))
+
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        checkpoint_id: str,
+        planner: SavePlanner | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Handle[CommitResult]:
+        """:meth:`async_save`, waited for as one: the handle resolves once the checkpoint is
+        published (the state may change from then on; its copy ended long before)."""
+        return self.async_save(
+            state_dict, checkpoint_id=checkpoint_id, planner=planner, metadata=metadata
+        ).upload_completion
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        checkpoint_id: str | None = None,
+        planner: LoadPlanner | None = None,
+        weights_only: bool = True,
+    ) -> Handle[None]:
+        """Load checkpoint ``checkpoint_id`` (default: ``latest``, as rank 0 sees it) into
+        ``state_dict`` in place, resharded to its layout, verified (see
+        :class:`~aoffload.dcp.StorageReader`). Every rank calls it."""
+        _, group, alone = self._parts()
+
+        def load() -> None:
+            tag = checkpoint_id
+            if tag is None:
+                tag = self._engine.latest()
+                if not alone:
+                    chosen = [tag]
+                    dist.broadcast_object_list(chosen, src=0, group=group)
+                    tag = chosen[0]
+                if tag is None:
+                    raise CheckpointError(f"{self._engine.directory} holds no checkpoint yet")
+            reader = StorageReader(self._engine.directory, tag, weights_only=weights_only)
+            try:
+                dcp_load(
+                    state_dict,
+                    storage_reader=reader,
+                    planner=planner,
+                    process_group=group,
+                    no_dist=alone,
+                )
+            except CheckpointException as exc:
+                raise unwrapped(exc) from exc
+
+        return in_thread(load, name="aoffload-dcp-load")
+
+    # -- close ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the stager, close the door (the engine closes next). Idempotent."""
+        with self._lock:
+            self._closed = True
+            stager, self._stager = self._stager, None
+            service = self._service
+        try:
+            if stager is not None:
+                stager.close()
+        finally:
+            if service is not None:
+                service.close()
+
+
+def _settle(future: concurrent.futures.Future[Any], handle: Handle[Any]) -> None:
+    error = handle.exception()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(handle.result())
+
+
+def _chained(source: concurrent.futures.Future[Any]) -> concurrent.futures.Future[Any]:
+    """A future that ``source``'s outcome resolves and that a cancelled await cannot
+    cancel (DCP's futures are not marked running)."""
+    future: concurrent.futures.Future[Any] = running_future()
+
+    def done(_: concurrent.futures.Future[Any]) -> None:
+        error = source.exception()
+        if error is not None:
+            error = unwrapped(error) if isinstance(error, CheckpointException) else error
+            future.set_exception(error)
+        else:
+            future.set_result(source.result())
+
+    source.add_done_callback(done)
+    return future
