@@ -20,16 +20,48 @@ def whole(step: int) -> torch.Tensor:
     return torch.arange(ROWS * COLUMNS, dtype=torch.float32).reshape(ROWS, COLUMNS) + 1000 * step
 
 
-def _state(world: int, value: torch.Tensor, step: int) -> dict[str, Any]:
+BIG = 1 << 20
+"""Elements of ``big``: a 4 MiB vector sharded over the ranks (the kill test's writes)."""
+
+
+def _state(world: int, value: torch.Tensor, step: int, big: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    return {
+    state = {
         "w": distribute_tensor(value, mesh, [Shard(0)]),
         "bias": torch.full((3,), float(step)),
         "meta": {"step": step, "name": "run-7"},
     }
+    if big:
+        state["big"] = distribute_tensor(torch.full((BIG,), float(step)), mesh, [Shard(0)])
+    return state
+
+
+def plain(step: int = -1, big: bool = False) -> dict[str, Any]:
+    """The state as one process holds it (every tensor whole), zeroed: what a load of a
+    sharded save on one rank, without a process group, fills in."""
+    state: dict[str, Any] = {
+        "w": torch.zeros(ROWS, COLUMNS),
+        "bias": torch.zeros(3),
+        "meta": {"step": step, "name": ""},
+    }
+    if big:
+        state["big"] = torch.zeros(BIG)
+    return state
+
+
+def check_plain(state: dict[str, Any], big: bool = False) -> int:
+    """The step ``state`` (see :func:`plain`) holds; AssertionError unless every value is
+    what that step saved."""
+    step = state["meta"]["step"]
+    assert state["meta"] == {"step": step, "name": "run-7"}, state["meta"]
+    assert torch.equal(state["w"], whole(step)), step
+    assert torch.equal(state["bias"], torch.full((3,), float(step))), step
+    if big:
+        assert torch.equal(state["big"], torch.full((BIG,), float(step))), step
+    return int(step)
 
 
 def save(rank: int, world: int, directory: Path, steps: list[int]) -> None:
@@ -81,3 +113,53 @@ def different_tags(world: int, directory: Path) -> dict[str, Any]:
         errors = [f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()]
         return {"failed": True, "errors": errors, "untouched": state["meta"]["step"] == -1}
     return {"failed": False}
+
+
+def save_through_aoffload(
+    rank: int, world: int, directory: Path, steps: list[int], mode: str = "THREAD"
+) -> dict[str, Any]:
+    """Save each step through aoffload's route (Stager + StorageWriter, DCP's ``mode``)
+    into an engine on ``directory``; what the engine then holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import aoffload
+    from aoffload.dcp import Stager, StorageWriter
+
+    with aoffload.CheckpointEngine(directory, distributed=True, keep_last=2) as engine:
+        stager = Stager()
+        try:
+            for step in steps:
+                writer = StorageWriter(directory, tag=f"step-{step}", metadata={"step": step})
+                response = dcp.async_save(
+                    _state(world, whole(step), step),
+                    storage_writer=writer,
+                    async_stager=stager,
+                    async_checkpointer_type=getattr(AsyncCheckpointerType, mode),
+                )
+                response.staging_completion.result()
+                response.upload_completion.result()
+                engine.commit(f"step-{step}").result()  # this rank's part has ended too
+        finally:
+            stager.close()
+        return {"latest": engine.latest(), "tags": engine.tags(), "metadata": engine.metadata()}
+
+
+def load_latest(rank: int, world: int, directory: Path, directories: list[str]) -> list[int]:
+    """Load the latest of each of ``directories`` (saved with ``big``) into a state sharded
+    over this world; the step each held (AssertionError for any value not saved)."""
+    import torch.distributed.checkpoint as dcp
+
+    from aoffload.dcp import StorageReader
+
+    steps = []
+    for each in directories:
+        state = _state(world, torch.zeros(ROWS, COLUMNS), -1, big=True)
+        dcp.load(state, storage_reader=StorageReader(each))
+        step = state["meta"]["step"]
+        rows = ROWS // world
+        assert torch.equal(state["w"].to_local(), whole(step)[rank * rows : (rank + 1) * rows])
+        assert torch.equal(state["bias"], torch.full((3,), float(step)))
+        assert bool((state["big"].to_local() == step).all()), (each, step)
+        steps.append(step)
+    return steps

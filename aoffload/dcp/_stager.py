@@ -179,6 +179,29 @@ class _Copy:
         self._cuda_done = [stream.record_event() for stream in streams.values()]
 
 
+def _dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor of ``like``'s spec around the staged ``local`` shard.
+
+    Not ``DTensor.from_local`` (it moves a CUDA mesh's shard back to the device), nor
+    ``DTensor(local, spec)``, whose wrapper takes the shard's storage offset: torch then
+    pickles a wrapper with a non-zero offset as a tensor with storage (its reduction tells
+    them apart by ``data_ptr() == 0``), and DCP's PROCESS mode crashes sending it.
+    """
+    meta = like._spec.tensor_meta
+    wrapper: DTensor = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=False,
+    )
+    wrapper._spec = like._spec
+    wrapper._local_tensor = local
+    return wrapper
+
+
 def _memmove(target: int, source: int, nbytes: int) -> Callable[[], object]:
     return lambda: ctypes.memmove(target, source, nbytes)
 
@@ -295,9 +318,7 @@ class Stager(AsyncStager):
         """``value`` with each tensor replaced by its view of staging memory."""
         if isinstance(value, torch.Tensor):
             if isinstance(value, DTensor):
-                # DTensor.from_local would move a CUDA mesh's staged shard back to the device
-                local = self._rebuild(value._local_tensor, segment, placed)
-                return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+                return _dtensor(self._rebuild(value._local_tensor, segment, placed), value)
             base = placed.offsets[value.untyped_storage()._cdata]
             if value.numel() == 0:
                 return torch.empty(value.shape, dtype=value.dtype)
