@@ -11,9 +11,11 @@ import torch
 
 from aoffload.bench import _dcp as section
 from aoffload.bench._dcp_peers import (
+    AOFFLOAD_DCP_FACE,
     AOFFLOAD_ENGINE,
     DCP_BLOCKING,
     TORCH_CHECKPOINTING,
+    aoffload_dcp_name,
     dcp_async_name,
 )
 from tests._bench_run import BenchRun
@@ -39,7 +41,9 @@ def check_dcp_section(data: dict[str, Any]) -> None:
             assert all(v > 0 for v in figure["samples"]), figure
         measured.setdefault(figure["system"], set()).add(figure["metric"])
     cuda = torch.cuda.is_available()
-    expected = [DCP_BLOCKING, AOFFLOAD_ENGINE] + [
+    expected = [DCP_BLOCKING, AOFFLOAD_ENGINE, AOFFLOAD_DCP_FACE]
+    expected += [aoffload_dcp_name(False), aoffload_dcp_name(True)]
+    expected += [
         dcp_async_name(process, shared, cuda)
         for process in (False, True)
         for shared in (None, False, True)
@@ -55,7 +59,8 @@ def check_dcp_section(data: dict[str, Any]) -> None:
     [table] = [t for t in data["tables"] if t["section"] == section.SECTION]
     assert {row[0] for row in table["rows"]} == set(measured)
     names = {r["name"] for r in data["ratios"] if r["section"] == section.SECTION}
-    assert any(n.startswith(f"stall after a {steps[-1]:g} s step: ") for n in names), names
+    for system in (aoffload_dcp_name(False), aoffload_dcp_name(True), AOFFLOAD_DCP_FACE):
+        assert any(n.startswith(f"stall after a {steps[-1]:g} s step: {system} /") for n in names)
 
 
 @pytest.mark.timeout(600)  # it may be the test that runs the whole benchmark

@@ -32,11 +32,15 @@ def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], An
     """Every system, in the order they run: (a name for errors, a factory; None for
     torch_checkpointing, whose writes are chosen by :func:`_torch_checkpointing`)."""
     from ._dcp_peers import (
+        AOFFLOAD_DCP_FACE,
         AOFFLOAD_ENGINE,
         TORCH_CHECKPOINTING,
+        AoffloadDcp,
+        AoffloadDcpFace,
         AoffloadEngine,
         DcpAsync,
         DcpBlocking,
+        aoffload_dcp_name,
     )
 
     thread = [
@@ -51,12 +55,12 @@ def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], An
         ("DCP save", lambda: DcpBlocking(state)),
         *thread,
         (AOFFLOAD_ENGINE, lambda: AoffloadEngine(state, root / "aoffload", rank)),
-        # ---- Phase B of #34 plugs in here: aoffload.dcp's route through dcp.async_save in
-        # THREAD mode, e.g. DcpAsync(state, False, None, stager=Stager(), writer=lambda p:
-        # StorageWriter(root / "aoffload-dcp", tag=p.name), name=..., note=...); its PROCESS
-        # mode goes after the DCP PROCESS blocks below (DCP's daemon outlives its block).
+        (aoffload_dcp_name(False), lambda: AoffloadDcp(state, root / "aoffload-dcp", False)),
+        (AOFFLOAD_DCP_FACE, lambda: AoffloadDcpFace(state, root / "aoffload-dcp-face")),
         (TORCH_CHECKPOINTING, None),
         *process,
+        # after DCP's PROCESS blocks: DCP's daemon, once started, outlives its block
+        (aoffload_dcp_name(True), lambda: AoffloadDcp(state, root / "aoffload-dcp-p", True)),
     ]
 
 
@@ -179,7 +183,7 @@ def main(
             peer, error = _open(factory, path / "warm-up")
         _clean(path, rank)
         if peer is None:
-            where = "failed" if label == AOFFLOAD_ENGINE else "skipped"
+            where = "failed" if label.startswith(("aoffload", AOFFLOAD_ENGINE)) else "skipped"
             record[where][label] = error
             continue
         record["notes"][peer.name] = peer.note

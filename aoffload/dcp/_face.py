@@ -3,10 +3,12 @@
 Names follow ``torch.distributed.checkpoint``: ``async_save`` / ``save`` / ``load`` of a
 ``state_dict`` under a ``checkpoint_id`` (the tag). Each returns at once with
 :class:`~aoffload.Handle` s: a synchronous trainer calls ``.result()``, an asyncio one
-awaits them. A save runs DCP's own ``async_save`` in ``THREAD`` mode with this engine's
-:class:`~aoffload.dcp.Stager` and a :class:`~aoffload.dcp.StorageWriter` bound to the
-engine; a load runs ``dcp.load`` with a :class:`~aoffload.dcp.StorageReader` on a thread
-of its own, so DCP's planners reshard into the state dict in place. With several ranks
+awaits them. A save is what DCP's ``async_save`` does in ``THREAD`` mode with this
+engine's :class:`~aoffload.dcp.Stager` and a :class:`~aoffload.dcp.StorageWriter` bound to
+the engine, on one long-lived thread of the face's (``async_save`` makes a thread per call,
+which costs the caller a millisecond or more on a busy host); a load runs ``dcp.load`` with
+a :class:`~aoffload.dcp.StorageReader` on a thread of its own, so DCP's planners reshard
+into the state dict in place. With several ranks
 DCP's collectives run on a gloo group of the face's own (made on first use, a collective),
 never on the trainer's: a training step's collectives on the default group cannot
 interleave with them.
@@ -15,7 +17,9 @@ interleave with them.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,15 +28,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import (
-    AsyncCheckpointerType,
-    AsyncSaveResponse,
-    async_save,
-)
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .._errors import CheckpointError
 from .._runtime.handle import Handle, in_thread
-from .._runtime.threads import running_future
+from .._runtime.threads import DaemonThreadExecutor, running_future
+from ..checkpoint.format import layout
 from ._reader import StorageReader
 from ._service import Service
 from ._stager import Stager
@@ -75,6 +77,7 @@ class DcpFace:
         self._service: Service | None = None
         self._stager: Stager | None = None
         self._group: Any = None
+        self._thread: DaemonThreadExecutor | None = None
         self._closed = False
 
     @property
@@ -114,46 +117,54 @@ class DcpFace:
     ) -> AsyncSave:
         """Save ``state_dict`` as checkpoint ``checkpoint_id``; returns once the copy started.
 
-        DCP's ``async_save`` (``THREAD`` mode) with this engine's :class:`Stager`: await
-        (or ``.result()``) ``staging_completion`` before you modify the state (a tensor
-        modified in place before the copy ended fails the save, naming it), and
-        ``upload_completion`` for the :class:`CommitResult`. ``metadata`` (JSON values) is
-        stored in the manifest. Every rank calls it with the same ``checkpoint_id``; a
-        failure on any rank raises on every rank.
+        What ``dcp.async_save(..., async_stager=Stager(), storage_writer=StorageWriter(...))``
+        does in ``THREAD`` mode, without its per-call thread: this engine's :class:`Stager`
+        copies the state (``Stateful`` values as their ``state_dict()``, taken here), then
+        DCP's ``save`` runs on the face's thread, one save after the other. Wait for
+        ``staging_completion`` before you modify the state (a tensor modified in place before
+        its copy ended fails the save, naming it), and for ``upload_completion`` for the
+        :class:`CommitResult`. ``metadata`` (JSON values) is stored in the manifest. Every rank
+        calls it with the same ``checkpoint_id``; a failure on any rank raises on every rank.
         """
         stager, group, alone = self._parts()
-        writer = StorageWriter(
-            self._engine.directory, checkpoint_id, engine=self._engine, metadata=metadata
-        )
-        response = async_save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner,
-            process_group=group,
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            async_stager=stager,
-            no_dist=alone,
-        )
-        if not isinstance(response, AsyncSaveResponse):  # pragma: no cover - a Future stager
-            raise CheckpointError("DCP's async_save did not stage asynchronously")
-        tag = writer.tag or checkpoint_id
+        tag = layout.validate_tag(checkpoint_id)
+        state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        writer = StorageWriter(self._engine.directory, tag, engine=self._engine, metadata=metadata)
+        staged = stager.stage(state)
         published: concurrent.futures.Future[CommitResult] = running_future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = DaemonThreadExecutor("aoffload-dcp-save")
+            thread = self._thread
+        job = functools.partial(self._save, staged, writer, planner, group, alone, published)
+        thread.submit(job)
+        return AsyncSave(Handle(_chained(staged, None)), Handle(published))
 
-        def uploaded(done: concurrent.futures.Future[Any]) -> None:
-            error = done.exception()
-            if error is not None:
-                error = unwrapped(error) if isinstance(error, CheckpointException) else error
-                published.set_exception(error)
-                return
-            try:  # this rank's commit of the tag: ended on rank 0, ending on the others
-                commit = self._engine.commit(tag)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                published.set_exception(exc)
-                return
-            commit.add_done_callback(lambda handle: _settle(published, handle))
-
-        response.upload_completion.add_done_callback(uploaded)
-        return AsyncSave(Handle(_chained(response.staging_completion)), Handle(published))
+    def _save(
+        self,
+        staged: concurrent.futures.Future[dict[str, Any]],
+        writer: StorageWriter,
+        planner: SavePlanner | None,
+        group: Any,
+        alone: bool,
+        published: concurrent.futures.Future[CommitResult],
+    ) -> None:
+        """One save, on the face's thread: DCP's ``save`` of the staged state, then this
+        rank's commit of the tag (ended on rank 0, ending on the others)."""
+        try:
+            try:
+                state = staged.result()
+                with warnings.catch_warnings():  # alone, DCP says so at every call
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                    dcp_save(state, storage_writer=writer, planner=planner,
+                             process_group=group, no_dist=alone)  # fmt: skip
+                del state  # the staging memory is free for the next save from here
+            except CheckpointException as exc:
+                raise unwrapped(exc) from exc
+            commit = self._engine.commit(writer.tag)
+            published.set_result(commit.result())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            published.set_exception(exc)
 
     def save(
         self,
@@ -196,13 +207,10 @@ class DcpFace:
                     raise CheckpointError(f"{self._engine.directory} holds no checkpoint yet")
             reader = StorageReader(self._engine.directory, tag, weights_only=weights_only)
             try:
-                dcp_load(
-                    state_dict,
-                    storage_reader=reader,
-                    planner=planner,
-                    process_group=group,
-                    no_dist=alone,
-                )
+                with warnings.catch_warnings():  # alone, DCP says so at every call
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                    dcp_load(state_dict, storage_reader=reader, planner=planner,
+                             process_group=group, no_dist=alone)  # fmt: skip
             except CheckpointException as exc:
                 raise unwrapped(exc) from exc
 
@@ -215,8 +223,11 @@ class DcpFace:
         with self._lock:
             self._closed = True
             stager, self._stager = self._stager, None
+            thread, self._thread = self._thread, None
             service = self._service
         try:
+            if thread is not None:
+                thread.shutdown(wait=True)  # the saves asked for end (the engine still runs)
             if stager is not None:
                 stager.close()
         finally:
@@ -224,26 +235,16 @@ class DcpFace:
                 service.close()
 
 
-def _settle(future: concurrent.futures.Future[Any], handle: Handle[Any]) -> None:
-    error = handle.exception()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(handle.result())
-
-
-def _chained(source: concurrent.futures.Future[Any]) -> concurrent.futures.Future[Any]:
-    """A future that ``source``'s outcome resolves and that a cancelled await cannot
-    cancel (DCP's futures are not marked running)."""
+def _chained(source: concurrent.futures.Future[Any], value: Any) -> concurrent.futures.Future[Any]:
+    """A future resolved with ``value`` when ``source`` succeeds, or with its error."""
     future: concurrent.futures.Future[Any] = running_future()
 
     def done(_: concurrent.futures.Future[Any]) -> None:
         error = source.exception()
         if error is not None:
-            error = unwrapped(error) if isinstance(error, CheckpointException) else error
             future.set_exception(error)
         else:
-            future.set_result(source.result())
+            future.set_result(value)
 
     source.add_done_callback(done)
     return future

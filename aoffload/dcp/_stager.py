@@ -188,6 +188,8 @@ def _dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     them apart by ``data_ptr() == 0``), and DCP's PROCESS mode crashes sending it.
     """
     meta = like._spec.tensor_meta
+    if meta is None:  # pragma: no cover - a DTensor always has it
+        raise InvalidStateError("a DTensor without its tensor's metadata cannot be staged")
     wrapper: DTensor = torch.Tensor._make_wrapper_subclass(
         DTensor,
         meta.shape,
