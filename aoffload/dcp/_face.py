@@ -136,13 +136,15 @@ class DcpFace:
             if self._thread is None:
                 self._thread = DaemonThreadExecutor("aoffload-dcp-save")
             thread = self._thread
-        job = functools.partial(self._save, staged, writer, planner, group, alone, published)
+        # handed over in a box that the save empties: whatever holds the job meanwhile (the
+        # thread's last call) must not hold the staged state and its staging memory
+        job = functools.partial(self._save, [staged], writer, planner, group, alone, published)
         thread.submit(job)
         return AsyncSave(Handle(_chained(staged, None)), Handle(published))
 
     def _save(
         self,
-        staged: concurrent.futures.Future[dict[str, Any]],
+        box: list[concurrent.futures.Future[dict[str, Any]]],
         writer: StorageWriter,
         planner: SavePlanner | None,
         group: Any,
@@ -153,7 +155,7 @@ class DcpFace:
         rank's commit of the tag (ended on rank 0, ending on the others)."""
         try:
             try:
-                state = staged.result()
+                state = box.pop().result()
                 with warnings.catch_warnings():  # alone, DCP says so at every call
                     warnings.filterwarnings("ignore", "torch.distributed is disabled")
                     dcp_save(state, storage_writer=writer, planner=planner,
@@ -236,11 +238,14 @@ class DcpFace:
 
 
 def _chained(source: concurrent.futures.Future[Any], value: Any) -> concurrent.futures.Future[Any]:
-    """A future resolved with ``value`` when ``source`` succeeds, or with its error."""
+    """A future resolved with ``value`` when ``source`` succeeds, or with its error.
+
+    The callback is handed ``source``; it must not hold it (``source`` holds the callback:
+    a cycle would keep the staged state, and its staging memory, until a collection)."""
     future: concurrent.futures.Future[Any] = running_future()
 
-    def done(_: concurrent.futures.Future[Any]) -> None:
-        error = source.exception()
+    def done(ended: concurrent.futures.Future[Any]) -> None:
+        error = ended.exception()
         if error is not None:
             future.set_exception(error)
         else:

@@ -301,20 +301,21 @@ class Stager(AsyncStager):
         future.set_result(staged)
 
     def _segment(self, nbytes: int) -> Segment:
-        """A segment of at least ``nbytes`` that no staged state uses: a free one of
-        this stager's (the smallest that fits), else a new one (a free one too small is
-        replaced)."""
+        """A segment of at least ``nbytes`` that no staged state uses: a free one of this
+        stager's (the smallest that fits), else a new one. The other free segments are
+        released: one made while an earlier staged state was still alive goes at the next
+        save, so the stager holds one copy of the state in the steady state."""
         free = [s for s in self._segments if not s.busy()]
         fits = [s for s in free if s.size >= nbytes]
-        if fits:
-            return min(fits, key=lambda s: s.size)
-        if free:
-            small = max(free, key=lambda s: s.size)
-            self._segments.remove(small)
-            small.close()
-        segment = Segment(nbytes)
-        self._segments.append(segment)
-        return segment
+        chosen = min(fits, key=lambda s: s.size) if fits else None
+        for segment in free:
+            if segment is not chosen:
+                self._segments.remove(segment)
+                segment.close()
+        if chosen is None:
+            chosen = Segment(nbytes)
+            self._segments.append(chosen)
+        return chosen
 
     def _rebuild(self, value: Any, segment: Segment, placed: _Layout) -> Any:
         """``value`` with each tensor replaced by its view of staging memory."""
