@@ -1,11 +1,15 @@
-"""FSDP2 with torch.distributed.checkpoint: saved on 2 ranks, resumed on 1 or on 4.
+"""FSDP2 with torch.distributed.checkpoint through aoffload: saved on 2 ranks, resumed on 1 or 4.
 
 The model is sharded with FSDP2's ``fully_shard`` over a CPU device mesh (gloo ranks), and
 the model and optimizer state go through DCP's ``get_state_dict`` / ``set_state_dict``, so
-every rank saves only its shards. ``aoffload.dcp.StorageReader`` loads them on any number
-of ranks: DCP's planner reshards, the reader verifies what aoffload committed and unpickles
-nothing it does not know. Rank 0 prints the loss of every step, and a digest of the whole
-state (every rank's shards) when it saves and when it resumes::
+every rank saves only its shards. They are saved with DCP's own ``async_save``, through
+aoffload's route: ``aoffload.dcp.Stager`` copies the state while the next forward and
+backward run, and ``aoffload.dcp.StorageWriter`` writes it through the engine's writer
+process and commits it (checksums, the tag published atomically, ``latest``, old tags
+retired). ``aoffload.dcp.StorageReader`` loads ``latest`` on any number of ranks: DCP's
+planner reshards, the reader verifies every file and unpickles nothing it does not know.
+Rank 0 prints the loss of every step, and a digest of the whole state (every rank's
+shards) when a save is committed and when it resumes::
 
     python examples/dcp_fsdp2.py --dir /tmp/run --ranks 2 --kill-at 9   # dies at step 9
     python examples/dcp_fsdp2.py --dir /tmp/run --ranks 4               # resumes at step 6
@@ -14,7 +18,8 @@ state (every rank's shards) when it saves and when it resumes::
 The global batch is the same whatever the number of ranks (each takes an equal slice), so
 a resumed run prints the losses the first run printed, up to the rounding of a sum over
 another number of ranks; the digests at a save and at its resume are equal bit for bit.
-Checkpoints are written by DCP's ``FileSystemWriter`` into ``DIR/step-N``.
+Checkpoints are the tags ``DIR/step-N`` of an aoffload checkpoint directory, each a plain
+DCP checkpoint too (``FileSystemReader`` reads it).
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from aoffload.dcp import StorageReader
+import aoffload
+from aoffload.dcp import Stager, StorageReader, StorageWriter
 
 GLOBAL_BATCH = 16
 
@@ -90,39 +95,61 @@ def digest(state: Any) -> str:
     return hashed.hexdigest()[:16]
 
 
-def newest(directory: Path) -> Path | None:
-    """The newest complete checkpoint: DCP writes ``.metadata`` last."""
-    done = [p for p in directory.glob("step-*") if (p / ".metadata").is_file()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step-")), default=None)
-
-
 def train(args: argparse.Namespace) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     if GLOBAL_BATCH % world:
         raise SystemExit(f"--ranks must divide {GLOBAL_BATCH}")
     torch.set_num_threads(1)
     model, optimizer = build(init_device_mesh("cpu", (world,)))
+    # DCP's save runs on a thread of its own: its collectives go on a group of their own,
+    # never interleaved with the training step's on the default group
+    checkpoint_group = dist.new_group(backend="gloo")
+    with aoffload.CheckpointEngine(args.dir, distributed=world > 1, keep_last=2) as engine:
+        stager = Stager()  # <- the copy runs on aoffload's threads, into shared memory
+        try:
+            run(args, model, optimizer, engine, stager, checkpoint_group)
+        finally:
+            stager.close()
+
+
+def run(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: aoffload.CheckpointEngine,
+    stager: Stager,
+    checkpoint_group: Any,
+) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     start = 0
-    found = newest(args.dir)
-    if found is not None:  # <- resume on this many ranks, whatever saved it
+    if engine.latest() is not None:  # <- resume on this many ranks, whatever saved it
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "step": 0}
-        dcp.load(state, storage_reader=StorageReader(found))  # reshards, verifies, no pickle
+        dcp.load(state, storage_reader=StorageReader(args.dir))  # latest, resharded, verified
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         start = state["step"]
         check = digest(state)
         if rank == 0:
-            print(f"resumed from {found.name} on {world} ranks, digest {check}", flush=True)
+            print(f"resumed from {engine.latest()} on {world} ranks, digest {check}", flush=True)
+    saving: tuple[int, Any, str] | None = None
     for step in range(start + 1, args.steps + 1):
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no rank says goodbye
         x, y = batch(step, rank, world)
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # forward and backward overlapped the copy of the last save
+        if saving is not None:
+            saving[1].staging_completion.result()  # <- the fence: parameters change next
         optimizer.step()
+        if saving is not None:  # one step later, the save is durable and published
+            saved, response, check = saving
+            response.upload_completion.result()
+            if rank == 0:
+                print(f"saved step-{saved} on {world} ranks, digest {check}", flush=True)
+            saving = None
         total = loss.detach().clone()
         dist.all_reduce(total)
         if rank == 0:
@@ -130,10 +157,15 @@ def train(args: argparse.Namespace) -> None:
         if step % args.save_every == 0:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "step": step}
-            dcp.save(state, storage_writer=FileSystemWriter(args.dir / f"step-{step}"))  # <- save
-            check = digest(state)
-            if rank == 0:
-                print(f"saved step-{step} on {world} ranks, digest {check}", flush=True)
+            response = dcp.async_save(  # <- save: returns while the copy runs
+                state,
+                storage_writer=StorageWriter(args.dir, tag=f"step-{step}"),
+                async_stager=stager,
+                process_group=checkpoint_group,
+            )
+            saving = (step, response, digest(state))
+    if saving is not None:
+        saving[1].upload_completion.result()
 
 
 def run_rank(args: argparse.Namespace) -> None:

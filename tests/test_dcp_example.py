@@ -1,9 +1,11 @@
-"""examples/dcp_fsdp2.py: FSDP2 saved on 2 ranks, killed, resumed on 1 and on 4 ranks.
+"""examples/dcp_fsdp2.py: FSDP2 saved through aoffload's DCP route on 2 ranks, killed, and
+resumed on 1 and on 4 ranks.
 
-The resumed runs must load bit-identical state (the digest of every value, each DTensor
-gathered whole, printed when step-6 was saved and when it was loaded) and then print the
-losses the killed run printed for the same steps (up to the rounding of a mean over another
-number of ranks).
+The killed run's directory must hold step-6 as ``latest``, complete (its manifest checked
+here with xxhash) and a plain DCP checkpoint too. The resumed runs must load bit-identical
+state (the digest of every value, each DTensor gathered whole, printed when step-6 was
+committed and when it was loaded) and then print the losses the killed run printed for the
+same steps (up to the rounding of a mean over another number of ranks).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._ranks import complete_tags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "dcp_fsdp2.py"
@@ -48,6 +52,9 @@ def test_saved_on_two_ranks_killed_and_resumed_on_one_and_four(tmp_path: Path) -
     assert sorted(first) == list(range(1, 9))
     saved = re.search(r"^saved step-6 on 2 ranks, digest (\w+)$", out, re.M)
     assert saved is not None, out
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-6"
+    assert complete_tags(tmp_path / "run") == ["step-3", "step-6"]
+    assert (tmp_path / "run" / "step-6" / ".metadata").is_file()  # what FileSystemReader reads
 
     resumed = {}
     for ranks in (1, 4):  # each resumes a copy, side by side
