@@ -15,6 +15,7 @@ import asyncio
 import io
 import logging
 import pickle
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -240,9 +241,23 @@ def test_an_uncommitted_tag_is_refused(tmp_path: Path) -> None:
     assert same(load(StorageReader(tmp_path), blank()), state(1))
 
 
-def test_a_url_is_refused_with_what_to_do() -> None:
-    with pytest.raises(aoffload.CheckpointError, match="local directory"):
-        StorageReader("s3://bucket/run")
+def test_a_remote_tier_is_read_verified_and_leaves_nothing(
+    tmp_path: Path, aoffload_s3: str
+) -> None:
+    with aoffload.CheckpointEngine(tmp_path / "local", remote=aoffload_s3) as engine:
+        for step in (1, 2):
+            engine.dcp.save(state(step), checkpoint_id=f"step-{step}").result()
+        engine.uploaded("step-2").result()
+    scratch = set(Path(tempfile.gettempdir()).glob("aoffload-remote-*"))
+
+    latest = load(StorageReader(aoffload_s3), blank())
+    older = load(StorageReader(aoffload_s3, tag="step-1"), blank())
+
+    assert same(latest, state(2))
+    assert same(older, state(1))
+    assert set(Path(tempfile.gettempdir()).glob("aoffload-remote-*")) == scratch
+    with pytest.raises(aoffload.CheckpointError, match="no published checkpoint 'step-9'"):
+        StorageReader(aoffload_s3, tag="step-9")
 
 
 @pytest.mark.timeout(240)

@@ -15,6 +15,8 @@ import io
 import os
 import pickle
 import uuid
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 from urllib.parse import urlparse
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from .._errors import CheckpointError, CorruptCheckpointError
+from ..checkpoint._assemble import RemoteTag
 from ._location import METADATA, Checkpoint, locate
 from ._metadata import StorageInfo, load_metadata
 
@@ -74,25 +77,24 @@ class _Slice(io.RawIOBase):
         return got
 
 
-def _local(directory_or_url: str | os.PathLike[str]) -> Path:
+def _where(directory_or_url: str | os.PathLike[str]) -> Path | str:
+    """A local directory (a ``file://`` URL included), or a remote tier's URL."""
     text = os.fspath(directory_or_url)
     parsed = urlparse(text)
     if parsed.scheme == "file":
         return Path(parsed.path)
-    if "://" in text:
-        raise CheckpointError(
-            f"{text}: aoffload.dcp.StorageReader reads a local directory; the remote tier is "
-            "not read here yet (download the tag first)"
-        )
-    return Path(text)
+    return text if "://" in text else Path(text)
 
 
 class StorageReader(_DcpStorageReader):
     """DCP's ``StorageReader`` for an aoffload checkpoint directory, verified before it is read.
 
     ``directory_or_url`` is an aoffload checkpoint directory (its ``latest`` is read, or
-    ``tag``), one committed tag's directory, or a plain DCP checkpoint directory (read
-    without verification, which is logged at WARNING naming the directory). Use it with
+    ``tag``), one committed tag's directory, a plain DCP checkpoint directory (read
+    without verification, which is logged at WARNING naming the directory), or the URL
+    of a remote tier (``s3://bucket/run``, reached with ``storage_options`` as the engine's
+    ``remote=`` is): each rank then downloads the files it reads, verified against the
+    remote manifest, into a temporary directory removed once DCP has read them. Use it with
     ``dcp.load(state_dict, storage_reader=StorageReader("ckpt"))``; DCP's planners then
     load a state saved on N ranks into M.
 
@@ -119,11 +121,14 @@ class StorageReader(_DcpStorageReader):
         tag: str | None = None,
         *,
         weights_only: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self._location = _local(directory_or_url)
+        self._location = _where(directory_or_url)
         self._tag = tag
         self.weights_only = weights_only
+        self._storage_options = storage_options
+        self._remote: RemoteTag | None = None
         self.storage_data: dict[MetadataIndex, StorageInfo] = {}
         self.load_id = str(uuid.uuid4())
         self._metadata: Metadata | None
@@ -133,32 +138,53 @@ class StorageReader(_DcpStorageReader):
         # Done where the reader is made (or reset), not in read_metadata: DCP turns any
         # error of its metadata step into an AssertionError of its own, while a missing,
         # damaged or hostile checkpoint should raise its own error, naming the file.
-        checkpoint = locate(self._location, self._tag)
+        self.close()
+        location = self._location
+        if isinstance(location, str):  # a remote tier: its files are fetched as they are read
+            remote = RemoteTag(location, self._tag, self._storage_options)
+            self._remote = remote
+            weakref.finalize(self, remote.close)
+            try:
+                remote.fetch(METADATA)
+                checkpoint = locate(remote.root, remote.tag)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            checkpoint = locate(location, self._tag)
         data = checkpoint.read(METADATA, MAX_METADATA_BYTES)
         metadata = load_metadata(data, checkpoint.path / METADATA, weights_only=self.weights_only)
         return checkpoint, metadata
+
+    def close(self) -> None:
+        """Stop fetching from the remote tier and remove what was downloaded (after
+        ``read_data``, which does it itself). Idempotent; nothing for a local directory."""
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new read; a ``checkpoint_id`` (from ``dcp.load``) replaces the location
         and the tag (it names one checkpoint as ``directory_or_url`` does)."""
         if checkpoint_id:
-            self._location, self._tag = _local(checkpoint_id), None
+            self._location, self._tag = _where(checkpoint_id), None
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._checkpoint, self._metadata = self._prepare()
 
     @property
-    def checkpoint_id(self) -> Path:
-        """The checkpoint's directory: a committed tag's, or the plain DCP directory."""
+    def checkpoint_id(self) -> Path | str:
+        """The checkpoint: a committed tag's directory, the plain DCP directory, or the
+        remote tier's tag (``URL/tag``)."""
+        if isinstance(self._location, str):
+            return f"{self._location.rstrip('/')}/{self._checkpoint.relative}"
         return self._checkpoint.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local directory this reader can try."""
-        try:
-            return _local(checkpoint_id).is_dir()
-        except CheckpointError:
-            return False
+        """Whether ``checkpoint_id`` is a local directory, or a URL, this reader can try."""
+        where = _where(checkpoint_id)
+        return isinstance(where, str) or where.is_dir()
 
     # ``**options``, not ``**kwargs``: DCP retries a failed read as a rank-local one when
     # this method has a parameter named ``kwargs``, and reports its own error instead.
@@ -182,7 +208,7 @@ class StorageReader(_DcpStorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Tag the plan with the checkpoint this rank resolved."""
-        return dataclasses.replace(plan, storage_data=_Source(str(self._checkpoint.path)))
+        return dataclasses.replace(plan, storage_data=_Source(str(self.checkpoint_id)))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Refuse a load whose ranks resolved different checkpoints."""
@@ -195,19 +221,25 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Verify each file the plan reads, then read its items into the planner's tensors."""
+        """Verify each file the plan reads, then read its items into the planner's tensors
+        (from a remote tier: download it first; the downloads go once all are read)."""
         checkpoint = self._checkpoint
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self._info(item).relative_path, []).append(item)
-        for name, items in per_file.items():
-            fd = checkpoint.open(name)
-            try:
-                size = os.fstat(fd).st_size
-                for item in sorted(items, key=lambda i: self._info(i).offset):
-                    self._read_item(fd, size, checkpoint.path / name, item, planner)
-            finally:
-                os.close(fd)
+        try:
+            for name, items in per_file.items():
+                if self._remote is not None:
+                    self._remote.fetch(name)
+                fd = checkpoint.open(name)
+                try:
+                    size = os.fstat(fd).st_size
+                    for item in sorted(items, key=lambda i: self._info(i).offset):
+                        self._read_item(fd, size, checkpoint.path / name, item, planner)
+                finally:
+                    os.close(fd)
+        finally:
+            self.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -9,6 +9,7 @@ runs on a thread of its own.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,10 +19,10 @@ from typing import Any
 from ..._errors import CheckpointError
 from ..core.load import MapLocation, load_file
 from ..format import layout
-from .uploader import Uploader
+from .uploader import CACHE, Uploader
 from .worker.calls import RemoteScan, UploaderConfig, redact_url
 
-__all__ = ["load_url", "metadata_url"]
+__all__ = ["RemoteTag", "load_url", "metadata_url"]
 
 _SECONDS = 120.0
 
@@ -89,3 +90,34 @@ def metadata_url(
     ):
         tag, scan = _published(uploader, tag)
     return dict(scan.manifests[tag].get("metadata") or {})
+
+
+class RemoteTag:
+    """One published tag of ``url`` (default: the one ``latest`` names), whose files are
+    downloaded when asked for (verified against the remote manifest) into a scratch
+    directory laid out as a checkpoint directory (``root``, holding ``tag`` and its
+    manifest): what ``aoffload.dcp.StorageReader`` reads a remote tier through. An
+    uploader runs until :meth:`close`, which also removes the scratch directory."""
+
+    def __init__(self, url: str, tag: str | None, storage_options: Mapping[str, Any] | None):
+        self._scratch = tempfile.mkdtemp(prefix="aoffload-remote-")
+        self.root = Path(self._scratch) / CACHE
+        config = UploaderConfig(url, dict(storage_options or {}))
+        self._uploader = Uploader(Path(self._scratch), config, redact_url(url), _SECONDS)
+        try:
+            self._uploader.spawn()
+            self.tag, _ = _published(self._uploader, tag)
+        except BaseException:
+            self.close()
+            raise
+
+    def fetch(self, name: str) -> None:
+        """Download file ``name`` of the tag into ``root`` (once; blocking)."""
+        self._uploader.source(layout.validate_name(name), self.tag)
+
+    def close(self) -> None:
+        """Stop the uploader, remove the downloads. Idempotent."""
+        try:
+            self._uploader.close()
+        finally:
+            shutil.rmtree(self._scratch, ignore_errors=True)
