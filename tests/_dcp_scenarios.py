@@ -140,9 +140,27 @@ def save_through_aoffload(
                 response.staging_completion.result()
                 response.upload_completion.result()
                 engine.commit(f"step-{step}").result()  # this rank's part has ended too
+            mutated = _mutated(stager, world) if mode == "THREAD" else ""
         finally:
             stager.close()
-        return {"latest": engine.latest(), "tags": engine.tags(), "metadata": engine.metadata()}
+        seen = {"latest": engine.latest(), "tags": engine.tags(), "metadata": engine.metadata()}
+        return {**seen, "mutated": mutated} if mode == "THREAD" else seen
+
+
+def _mutated(stager: Any, world: int) -> str:
+    """Stage a sharded state behind a large one (the stager copies in order) and modify its
+    DTensor in place at once, as an optimizer step would: what the staging raised."""
+    ahead = stager.stage({"x": torch.zeros(16 << 20)})
+    state = _state(world, whole(7), 7)
+    staged = stager.stage(state)
+    with torch.no_grad():
+        state["w"].mul_(2)  # the DTensor's own version counter moves, not its shard's
+    ahead.result()
+    try:
+        staged.result()
+    except Exception as exc:  # noqa: BLE001 - what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing was raised"
 
 
 def load_latest(rank: int, world: int, directory: Path, directories: list[str]) -> list[int]:

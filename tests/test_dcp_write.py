@@ -168,7 +168,11 @@ def test_saved_on_two_ranks_loads_on_one_and_four(tmp_path: Path, mode: str) -> 
     for outcome in run_ranks(2, "tests._dcp_scenarios:save_through_aoffload", run,
                              steps=[1, 2], mode=mode, timeout=240):  # fmt: skip
         seen = outcome.check()
+        mutated = seen.pop("mutated", "CheckpointError: state['w'] modified in place")
         assert seen == {"latest": "step-2", "tags": ["step-1", "step-2"], "metadata": {"step": 2}}
+        assert mutated.startswith("CheckpointError: "), mutated
+        assert "state['w']" in mutated, mutated
+        assert "modified in place" in mutated, mutated
     assert complete_tags(run) == ["step-1", "step-2"]
     for step in (1, 2):  # DCP's own reader, one process, every tensor whole
         assert scenarios.check_plain(load_plain(run / f"step-{step}", scenarios.plain())) == step

@@ -47,14 +47,22 @@ __all__ = ["Stager"]
 
 logger = logging.getLogger(__name__)
 
-_Recorded = list[tuple[Any, torch.Tensor, int | None]]
-"""(the value in the state, the tensor copied for it, its version counter at stage())."""
+_Recorded = list[tuple[Any, torch.Tensor, tuple[int | None, ...]]]
+"""(the value in the state, the tensor copied for it, their version counters at stage())."""
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 
 
+def _versions(value: torch.Tensor, local: torch.Tensor) -> tuple[int | None, ...]:
+    """The version counters that an in-place change of ``value`` moves: a ``DTensor``'s
+    own (an optimizer's step on it moves only that one) and its shard's."""
+    if local is value:
+        return (version_of(value),)
+    return version_of(value), version_of(local)
+
+
 def _record(state: object) -> _Recorded:
-    """Every tensor of ``state``'s dicts, lists and tuples with its version counter (the
-    caller's thread: O(entries)); a ``DTensor`` by its local shard."""
+    """Every tensor of ``state``'s dicts, lists and tuples with its version counters (the
+    caller's thread: O(entries)); a ``DTensor`` is copied as its local shard."""
     found: _Recorded = []
     seen: set[int] = set()
     stack = [state]
@@ -64,7 +72,7 @@ def _record(state: object) -> _Recorded:
             if id(value) not in seen:
                 seen.add(id(value))
                 local = value._local_tensor if isinstance(value, DTensor) else value
-                found.append((value, local, version_of(local)))
+                found.append((value, local, _versions(value, local)))
         elif isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, (list, tuple)):
@@ -286,12 +294,14 @@ class Stager(AsyncStager):
                 raise ClosedError("this Stager was closed")
             _Copy(segment, placed, events).run(self._pool)
             for value, local, before in recorded:
-                after = version_of(local)
-                if before is not None and after != before:
+                after = _versions(value, local)
+                moved = [(b, a) for b, a in zip(before, after, strict=True) if b not in (None, a)]
+                if moved:
                     key = key_of(state, value) or f"a tensor of shape {tuple(value.shape)}"
+                    (was, now), *_ = moved
                     raise CheckpointError(
                         f"cannot stage {key}: it was modified in place while it was being "
-                        f"staged (its version counter moved from {before} to {after}); "
+                        f"staged (its version counter moved from {was} to {now}); "
                         "nothing of this state is saved. Do not modify the state until the "
                         "staging completes (DCP's `staging_completion`)"
                     )
