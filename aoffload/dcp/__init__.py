@@ -11,7 +11,8 @@
   ``.metadata`` unpickled with an allow-list of DCP's classes; plain DCP directories read
   too (without verification, said in the log). DCP's planners reshard: saved on N ranks,
   loaded on M.
-- ``engine.dcp`` (:class:`AsyncSave`): the same route as an engine's face, both styles.
+- ``engine.dcp`` (:class:`DcpFace`, its saves return :class:`AsyncSave`): the same route as
+  an engine's face, both styles.
 
 ::
 
@@ -26,8 +27,9 @@
 from __future__ import annotations
 
 from ._face import AsyncSave as AsyncSave
+from ._face import DcpFace as DcpFace
 from ._reader import StorageReader as StorageReader
 from ._stager import Stager as Stager
 from ._writer import StorageWriter as StorageWriter
 
-__all__ = ("AsyncSave", "Stager", "StorageReader", "StorageWriter")
+__all__ = ("AsyncSave", "DcpFace", "Stager", "StorageReader", "StorageWriter")
