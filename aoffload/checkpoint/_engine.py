@@ -189,9 +189,11 @@ class CheckpointEngine(Resource):
         self._uninstall_notice()
         if self._notice is not None:
             self._notice.close()
-        if self._dcp is not None:
-            self._dcp.close()
-        self._core.close()
+        try:
+            if self._dcp is not None:
+                self._dcp.close()
+        finally:
+            self._core.close()
 
     def _uninstall_notice(self) -> None:
         if self._notice is not None:

@@ -81,6 +81,11 @@ def _record(state: object) -> _Recorded:
 
 
 def _problem(tensor: torch.Tensor) -> str | None:
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return (
+            f"tensor subclass {type(tensor).__qualname__} cannot be staged by aoffload.dcp."
+            "Stager (plain tensors and DTensors only); stage it with DCP's DefaultStager"
+        )
     if tensor.layout is not torch.strided or tensor.is_nested:
         return f"tensors with layout {tensor.layout} cannot be staged (only dense tensors)"
     if tensor.is_quantized:
@@ -187,6 +192,16 @@ class _Copy:
         self._cuda_done = [stream.record_event() for stream in streams.values()]
 
 
+_KEY_NOTE = "(a value aoffload.dcp.Stager deep-copies, as DefaultStager does)"
+
+
+def _failed_key(state: object, exc: BaseException) -> str:
+    """``state``'s key whose copy raised ``exc``, and why."""
+    value = getattr(exc, "aoffload_value", None)
+    key = key_of(state, value) if value is not None else None
+    return f"{key or 'a value'}: {type(exc).__name__}: {exc}"
+
+
 def _dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor of ``like``'s spec around the staged ``local`` shard.
 
@@ -289,7 +304,10 @@ class Stager(AsyncStager):
                     raise InvalidStateError(f"cannot stage {key}: {problem}")
                 placed.place(local)
             segment = self._segment(placed.nbytes)
-            staged = self._rebuild(state, segment, placed)
+            try:
+                staged = self._rebuild(state, segment, placed)
+            except Exception as exc:
+                raise InvalidStateError(f"cannot stage {_failed_key(state, exc)}") from exc
             if self._pool is None:
                 raise ClosedError("this Stager was closed")
             _Copy(segment, placed, events).run(self._pool)
@@ -347,7 +365,12 @@ class Stager(AsyncStager):
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         if isinstance(value, _IMMUTABLE):
             return value
-        return copy.deepcopy(value)
+        try:
+            return copy.deepcopy(value)
+        except Exception as exc:
+            exc.add_note(_KEY_NOTE)
+            exc.aoffload_value = value  # type: ignore[attr-defined]
+            raise
 
     # -- close ---------------------------------------------------------------------------
 
