@@ -181,3 +181,35 @@ def load_latest(rank: int, world: int, directory: Path, directories: list[str]) 
         assert bool((state["big"].to_local() == step).all()), (each, step)
         steps.append(step)
     return steps
+
+
+def face_on_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """engine.dcp on a distributed engine: a save, then one whose staging fails on the last
+    rank only (a tensor modified in place while a large one is copied): every rank's save
+    must fail, naming it, and ``latest`` stay; then a load of ``latest``, resharded."""
+    import aoffload
+
+    with aoffload.CheckpointEngine(directory, distributed=True) as engine:
+        first = engine.dcp.save(_state(world, whole(1), 1), checkpoint_id="step-1").result()
+        state = _state(world, whole(2), 2)
+        state["ahead"] = torch.zeros(8 << 20)  # its copy outlasts the modification below
+        response = engine.dcp.async_save(state, checkpoint_id="step-2")
+        if rank == world - 1:
+            with torch.no_grad():
+                state["w"].mul_(2)  # before the copy ended: this rank's staging fails
+        try:
+            response.upload_completion.result()
+            failed = "nothing was raised"
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            failed = f"{type(exc).__name__}: {exc}"
+        loaded = _state(world, torch.zeros(ROWS, COLUMNS), -1)
+        engine.dcp.load(loaded).result()
+        rows = ROWS // world
+        shard = whole(1)[rank * rows : (rank + 1) * rows]
+        return {
+            "first": first.tag,
+            "failed": failed,
+            "latest": engine.latest(),
+            "loaded": bool(torch.equal(loaded["w"].to_local(), shard)),
+            "meta": loaded["meta"],
+        }

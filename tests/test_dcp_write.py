@@ -8,6 +8,7 @@ values each rank saved (a function of the step).
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import selectors
 import signal
@@ -149,6 +150,22 @@ async def test_the_engine_face_in_an_asyncio_trainer(tmp_path: Path) -> None:
         assert engine.latest() == "step-5"
 
 
+def test_a_stager_pickles_as_a_fresh_one_and_stages_after() -> None:
+    stager = Stager()
+    try:
+        staged = stager.stage(state(1)).result()
+        assert same(staged, state(1))
+        assert staged["model"]["w"].untyped_storage().is_shared()  # DCP's daemon maps it
+        copy = pickle.loads(pickle.dumps(stager))
+        assert isinstance(copy, Stager)
+        assert same(copy.stage(state(2)).result(), state(2))
+        copy.close()
+    finally:
+        stager.close()
+    with pytest.raises(aoffload.ClosedError):
+        stager.stage(state(3))
+
+
 def test_no_engine_running_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as caught:
         dcp.save(state(1), storage_writer=StorageWriter(tmp_path, tag="t"), no_dist=True)
@@ -186,6 +203,21 @@ def test_saved_on_two_ranks_loads_on_one_and_four(tmp_path: Path, mode: str) -> 
         assert (seen["step"], seen["shard_rows"], seen["shard_equal"]) == (2, 3, True)
         assert seen["bias"] == [2.0, 2.0, 2.0]
         assert seen["different_tags"]["failed"]
+
+
+@pytest.mark.timeout(240)
+def test_the_engine_face_on_two_ranks_fails_every_rank_with_one_ranks_staging(
+    tmp_path: Path,
+) -> None:
+    for outcome in run_ranks(2, "tests._dcp_scenarios:face_on_ranks", tmp_path, timeout=200):
+        seen = outcome.check()
+        assert seen["first"] == "step-1"
+        assert seen["failed"].startswith("CheckpointError: "), seen["failed"]
+        assert "state['w']" in seen["failed"], seen["failed"]
+        assert seen["latest"] == "step-1"
+        assert seen["loaded"]
+        assert seen["meta"] == {"step": 1, "name": "run-7"}
+    assert complete_tags(tmp_path) == ["step-1"]
 
 
 def _start_rank(directory: Path, rank: int, port: int) -> subprocess.Popen[str]:

@@ -155,7 +155,13 @@ class DcpFace:
         rank's commit of the tag (ended on rank 0, ending on the others)."""
         try:
             try:
-                state = box.pop().result()
+                staged = box.pop()
+                if staged.exception() is not None:
+                    # the other ranks are entering DCP's save: take part, and refuse there,
+                    # so that every rank fails with this error instead of waiting for this one
+                    writer.refuse = staged.exception()
+                state = {} if writer.refuse is not None else staged.result()
+                del staged
                 with warnings.catch_warnings():  # alone, DCP says so at every call
                     warnings.filterwarnings("ignore", "torch.distributed is disabled")
                     dcp_save(state, storage_writer=writer, planner=planner,

@@ -99,6 +99,9 @@ class StorageWriter(_DcpStorageWriter):
         self.save_id = str(uuid.uuid4())
         self._engine = engine
         self._door: DoorAddress | None = None
+        self.refuse: BaseException | None = None
+        """Set (by ``engine.dcp``) when this rank's staging failed: the save fails at its
+        first step, on every rank, with this error."""
 
     # -- where it writes ------------------------------------------------------------------
 
@@ -176,6 +179,8 @@ class StorageWriter(_DcpStorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Take this rank's role; refuse what the writer cannot do, before anything is written."""
         self.is_coordinator = is_coordinator
+        if self.refuse is not None:
+            raise self.refuse
         if kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
                 "aoffload.dcp.StorageWriter needs DCP's collectives (rank-local metadata, "
