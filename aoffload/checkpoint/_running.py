@@ -6,32 +6,44 @@ from __future__ import annotations
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .format.layout import is_url
 
-if TYPE_CHECKING:
-    from ._engine import CheckpointEngine
+__all__ = ["Running", "add", "discard", "running"]
 
-__all__ = ["add", "discard", "running"]
 
-_engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
+class Running(Protocol):
+    """What the registry knows of an engine (a protocol: the engine imports this module)."""
+
+    _remote: str | None
+
+    @property
+    def directory(self) -> Path:
+        """The engine's checkpoint directory."""
+
+    @property
+    def dcp(self) -> Any:
+        """The engine's DCP face."""
+
+
+_engines: weakref.WeakSet[Running] = weakref.WeakSet()
 _lock = threading.Lock()
 
 
-def add(engine: CheckpointEngine) -> None:
+def add(engine: Running) -> None:
     """``engine`` started."""
     with _lock:
         _engines.add(engine)
 
 
-def discard(engine: CheckpointEngine) -> None:
+def discard(engine: Running) -> None:
     """``engine`` is closing."""
     with _lock:
         _engines.discard(engine)
 
 
-def running(location: str) -> CheckpointEngine | None:
+def running(location: str) -> Running | None:
     """The engine of this process running on ``location``, if any: its directory (compared
     resolved), or the URL of its remote tier."""
     with _lock:
