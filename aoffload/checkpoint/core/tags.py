@@ -36,7 +36,7 @@ from ..format.layout import TMP_PREFIX
 
 if TYPE_CHECKING:
     from ..writer.calls import FileRecord
-    from .plan import Plan
+    from .plan import Plan, Structure
     from .staging import Slot, SlotPool
 
 __all__ = ["FileJob", "OpenTag", "TagState", "Tags"]
@@ -60,15 +60,17 @@ class FileJob:
     (what ``await staged`` waits for); ``written`` when the writer has written (and, if
     durable, fsynced) the file. A staging failure fails both. ``plan`` is the planned
     state (its tensors and their version counters as of ``stage()``), kept for the
-    fence's check; ``sealed`` is that check's outcome once the fence ran.
+    fence's check, with ``structure`` (the state's dicts' keys and lists' lengths as of
+    ``stage()``); ``sealed`` is that check's outcome once the fence ran.
     """
 
-    __slots__ = ("name", "open_tag", "plan", "sealed", "staged", "written")
+    __slots__ = ("name", "open_tag", "plan", "sealed", "staged", "structure", "written")
 
     def __init__(self, name: str, open_tag: OpenTag) -> None:
         self.name = name
         self.open_tag = open_tag
         self.plan: Plan | None = None
+        self.structure: Structure = []
         self.sealed: BaseException | bool = False
         self.staged: concurrent.futures.Future[None] = running_future()
         self.written: concurrent.futures.Future[FileRecord] = running_future()
