@@ -83,6 +83,7 @@ def assemble(options: EngineOptions) -> Assembly:
         unloadable=options.unloadable,
         start_timeout=options.start_timeout,
         close_timeout=options.close_timeout,
+        commit_timeout=options.commit_timeout,
     )
     return Assembly(core, lambda signals: PreemptionNotice(signals, rendezvous))
 

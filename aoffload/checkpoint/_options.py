@@ -3,7 +3,7 @@
 :class:`EngineOptions` is what the engine's keyword arguments make; the assembler
 (:mod:`._assemble`) reads it to choose and build the engine's parts. Every check of an
 option is here, made once, when the options are made; the options that only a role uses
-(the remote tier's; the ranks' ``commit_timeout``) are checked when that role is asked for
+(the remote tier's) are checked when that role is asked for
 (``remote=``, ``distributed=True``).
 """
 
@@ -52,7 +52,7 @@ class EngineOptions:
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
-        if self.distributed and not self.commit_timeout > 0:
+        if not self.commit_timeout > 0:
             raise ValueError(f"commit_timeout must be > 0 seconds, not {self.commit_timeout!r}")
         if self.remote is not None:
             self._check_remote()

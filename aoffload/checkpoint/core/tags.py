@@ -188,11 +188,12 @@ class Tags:
     def failed(self, job: FileJob, error: BaseException) -> None:
         """A file's staging failed: its name is free again; its error waits to be seen.
 
-        Once the tag is being committed, the file stays listed: the commit raises its error.
+        Once the tag is being committed, the file stays listed: the commit raises its error;
+        and once the engine is closing, too: the close names the tag it discards.
         """
         with self._cond:
             open_tag = job.open_tag
-            if open_tag.state is TagState.OPEN:
+            if open_tag.state is TagState.OPEN and not self._closing:
                 if open_tag.files.get(job.name) is job:
                     del open_tag.files[job.name]
                 open_tag.failures[job.name] = error
@@ -337,10 +338,15 @@ class Tags:
             self._queued.clear()
         self._slots.close()
 
-    def commits(self) -> list[concurrent.futures.Future[Any]]:
-        """The futures of the commits requested and not yet ended, oldest first."""
+    def commits(self, tag: str | None = None) -> list[concurrent.futures.Future[Any]]:
+        """The futures of the commits requested and not yet ended, oldest first (of
+        ``tag`` only, when given)."""
         with self._cond:
-            return [t.commit for t in self._open.values() if t.commit is not None]
+            return [
+                t.commit
+                for t in self._open.values()
+                if t.commit is not None and (tag is None or t.tag == tag)
+            ]
 
     def open_tags(self) -> list[str]:
         """The tags in flight, in the order they were opened."""
