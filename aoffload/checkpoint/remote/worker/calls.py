@@ -82,7 +82,11 @@ class UploaderConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScanRemote(Call[RemoteScan]):
-    """List the published tags (with their manifests) and ``latest``."""
+    """List the published tags (with their manifests) and ``latest``; with ``probe``,
+    first check that the tier can be listed and written (a small object written, then
+    deleted)."""
+
+    probe: bool = False
 
 
 @dataclass(frozen=True, slots=True)
