@@ -8,6 +8,7 @@ process, real files.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -136,8 +137,9 @@ async def test_aclose_names_every_tag_it_discards(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="aoffload")
+    big = await asyncio.to_thread(torch.ones, 8 * MIB)  # 32 MiB, made off the loop
     async with aoffload.CheckpointEngine(tmp_path, max_pending=3, close_timeout=0.01) as engine:
-        await engine.save({"w": torch.ones(8 * MIB)}, "m.pt", tag="a")
+        await engine.save({"w": big}, "m.pt", tag="a")
         engine.commit_soon("a")
         await engine.save({"w": torch.ones(4)}, "m.pt", tag="b")  # staged, not committed
         engine.stage({"w": torch.ones(4)}, "m.pt", tag="c")  # still copying at close

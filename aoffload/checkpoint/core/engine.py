@@ -352,6 +352,8 @@ class EngineCore:
         try:
             commits = [t.commit for t in open_tags if t.commit is not None]
             _, late = concurrent.futures.wait(commits, timeout=self._commit_timeout)
+            for future in late:  # its failure (the writer stops under it) is this one's
+                self.tags.commit_seen(future)
             if late:
                 logger.warning(
                     "closing with the commit of %s still running after commit_timeout=%s s; "
