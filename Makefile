@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" ninja
 	$(BIN)/python -m pip install --quiet --no-build-isolation "$(DEEPSPEED_PIN)" "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed,lightning,docs]" "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,uvloop,deepspeed,lightning,docs,bench]" "$(TORCH_PIN)"
+	@# DeepSpeed JIT-builds its CPU ops on first use (a minute or two on 2 cores): build them
+	@# here, so that the first test or benchmark to use them does not pay for it.
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	[a().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]"
 	touch $@
 
 demo: setup

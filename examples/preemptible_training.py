@@ -49,6 +49,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :8].sin()
 
 
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int
+) -> Any:
+    """One step of training on step ``step``'s data; its loss."""
+    x, y = batch(step, rank)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
@@ -87,11 +99,7 @@ async def train(args: argparse.Namespace, rank: int, distributed: bool) -> None:
             )
         print(f"rank {rank}: ready", flush=True)
         for step in range(start + 1, args.steps + 1):
-            x, y = batch(step, rank)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            loss = train_step(model, optimizer, step, rank)
             if distributed:
                 dist.all_reduce(loss.detach())  # the ranks step together, as in data parallel
             time.sleep(args.step_seconds)  # noqa: ASYNC251 - a step waiting for its accelerator

@@ -15,22 +15,31 @@ __all__ = ["BenchRun", "run_bench_smoke"]
 
 @dataclasses.dataclass(frozen=True)
 class BenchRun:
-    """One run of ``python -m aoffload.bench``: its exit status, output and JSON report."""
+    """One run of ``python -m aoffload.bench``: its exit status, output, JSON report, the
+    per-section reports of ``--json-dir`` (by section) and the charts of ``--plot``."""
 
     returncode: int
     stdout: str
     stderr: str
     data: dict[str, Any] | None
+    sections: dict[str, dict[str, Any]]
+    charts: Path
 
 
 def run_bench_smoke(directory: Path) -> BenchRun:
-    """``python -m aoffload.bench all --smoke`` with its files and report in ``directory``."""
-    out = directory / "bench.json"
+    """``python -m aoffload.bench all --smoke`` with its files and reports in ``directory``."""
+    out, per_section, charts = directory / "bench.json", directory / "sections", directory / "plots"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(  # --smoke: --quick's code, every section, smaller sizes
+    completed = subprocess.run(  # --smoke: every section and system once, on tiny states
         [sys.executable, "-m", "aoffload.bench", "all", "--smoke", "--json", str(out),
-         "--dir", str(directory)],
+         "--json-dir", str(per_section), "--plot", str(charts), "--dir", str(directory)],
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )  # fmt: skip
     data = json.loads(out.read_text()) if out.exists() else None
-    return BenchRun(completed.returncode, completed.stdout, completed.stderr, data)
+    sections = {
+        path.stem.removeprefix("bench-"): json.loads(path.read_text())
+        for path in sorted(per_section.glob("bench-*.json"))
+    }
+    return BenchRun(
+        completed.returncode, completed.stdout, completed.stderr, data, sections, charts
+    )

@@ -4,11 +4,17 @@
 ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2)`` and aoffload's plugin, printing
 ``saving <step> <pid>`` as each save begins and ``staged <step> <pid>`` as it returns (its
 commit begins): the test SIGKILLs it around those.
+
+``python -m tests._lightning_app --zygote`` imports Lightning once and then forks one such
+run per line ``DIR STEPS WIDTH`` it reads, so that each run the test kills costs a fork, not
+an interpreter importing Lightning (seconds on a loaded host).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +105,40 @@ class Announcing(AsyncCheckpointIO):
         print(f"staged {checkpoint['global_step']} {self.pid}", flush=True)
 
 
-def main() -> None:
-    directory, steps, width = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+def run(directory: Path, steps: int, width: int) -> None:
     plugin = Announcing(durable=True)
     fit, _ = trainer(directory, steps, plugin, Record(announce=plugin), every=1)
     fit.fit(Tiny(width), data(steps))
     print("done", flush=True)
+
+
+def zygote() -> None:
+    """Fork a run per line ``DIR STEPS WIDTH`` of stdin. The run prints ``run <pid>`` first;
+    this process prints ``ended <pid> <wait status>`` once it ended (killed, or done)."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        directory, steps, width = line.split()
+        pid = os.fork()
+        if pid == 0:  # the run: a process of its own, as a trainer is
+            code = 0
+            try:
+                print(f"run {os.getpid()}", flush=True)
+                run(Path(directory), int(steps), int(width))
+            except BaseException:  # noqa: BLE001 - reported on stderr, the exit code says it
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"ended {pid} {status}", flush=True)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--zygote"]:
+        zygote()
+        return
+    run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,21 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 import aoffload
+from aoffload._runtime.threads import run_in_thread
 
 LR = 1e-2
+_T = TypeVar("_T")
+
+
+async def off_loop(fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` on a thread of its own, awaited: a test's heavy backward or reference
+    step, which the loop guard would otherwise time instead of ``astep()``."""
+    return await run_in_thread(fn, *args, name="test-off-loop")
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import io
 import json
 import multiprocessing
 import os
 import socket
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 def free_port() -> int:
@@ -103,32 +107,69 @@ def run_ranks(
     return outcomes
 
 
+MANIFEST = ".aoffload-manifest.json"
+"""A tag's manifest, named here, not imported: these checks do not trust aoffload's code."""
+
+
+def check_files(tag: str, manifest: bytes, read: Callable[[str], bytes]) -> dict[str, bytes]:
+    """Every file the manifest ``tag`` lists, read with ``read(name)``, with the manifest's
+    size and xxh3-64 (computed here with xxhash, not by aoffload's verifier); each ``.pt``
+    file loads with ``torch.load``. Their contents by name; AssertionError for a partial tag.
+    """
+    import xxhash
+
+    try:
+        listed = json.loads(manifest)["files"]
+    except (ValueError, KeyError) as exc:
+        raise AssertionError(f"tag {tag!r}: an unreadable manifest ({exc!r})") from exc
+    contents = {}
+    for name, entry in listed.items():
+        data = read(name)
+        if len(data) != entry["bytes"]:
+            raise AssertionError(f"partial tag {tag!r}: {name} has {len(data)} bytes, not {entry}")
+        if xxhash.xxh3_64(data).hexdigest() != entry["xxh3_64"]:
+            raise AssertionError(f"partial tag {tag!r}: {name} does not hash to {entry}")
+        if name.endswith(".pt"):
+            torch.load(io.BytesIO(data), weights_only=False)  # a whole torch.save file
+        contents[name] = data
+    return contents
+
+
 def complete_tags(directory: Path) -> list[str]:
-    """Every visible tag directory, each checked complete against its manifest.
+    """Every visible tag directory, each checked complete without aoffload's code: its
+    manifest read as JSON, every file it lists present with that size and xxh3-64
+    (:func:`check_files`), and nothing else in the tag.
 
     Raises AssertionError for a tag directory without a manifest or with a file that
     does not match it: a partial tag.
     """
-    from aoffload.checkpoint.format import layout, read
-
     tags = []
     for entry in sorted(os.listdir(directory)):
         path = directory / entry
         if entry.startswith(".") or not path.is_dir():
             continue
-        manifest_path = path / layout.MANIFEST
+        manifest_path = path / MANIFEST
         if not manifest_path.is_file():
             raise AssertionError(f"partial tag {entry!r}: no manifest; it holds {os.listdir(path)}")
-        manifest = json.loads(manifest_path.read_text())
-        for name, entry_ in manifest["files"].items():
-            read.verify_file(path / name, entry_)
-        listed = set(manifest["files"]) | {layout.MANIFEST}
+        listed = check_files(
+            entry, manifest_path.read_bytes(), lambda name, path=path: (path / name).read_bytes()
+        )
         present = {
             str((Path(folder) / name).relative_to(path))
             for folder, _, names in os.walk(path)
             for name in names
         }
-        if present != listed:
-            raise AssertionError(f"tag {entry!r}: files {present ^ listed} not as listed")
+        expected = set(listed) | {MANIFEST}
+        if present != expected:
+            raise AssertionError(f"tag {entry!r}: files {present ^ expected} not as listed")
         tags.append(entry)
     return tags
+
+
+def assert_saved(data: bytes | Path, expected: Mapping[str, torch.Tensor]) -> None:
+    """The ``torch.save`` file ``data`` holds exactly ``expected``: the values a rank saved."""
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
+    loaded = torch.load(source, weights_only=True)
+    assert sorted(loaded) == sorted(expected), (sorted(loaded), sorted(expected))
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), f"{key} differs from what was saved"

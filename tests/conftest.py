@@ -1,5 +1,7 @@
 """Shared test set-up: every async test runs on asyncio's loop and on uvloop, in debug mode,
-and fails if the library blocks the event loop for longer than ``SLOW_CALLBACK_SECONDS``.
+and fails if the library blocks the event loop for longer than ``SLOW_CALLBACK_SECONDS``:
+a slow callback (asyncio's debug mode), or a loop kept from waking while it waits in
+``select()``, by another thread holding the GIL (a ticker on the loop: tests/_loop_ticker.py).
 
 The guard also watches the loops a synchronous test starts itself (``asyncio.run``,
 ``aoffload.run``). A test that blocks the loop on purpose (a synchronous training step
@@ -9,10 +11,12 @@ between ``stage()`` and its fence) is marked ``blocks_loop``: the guard leaves i
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import importlib.util
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
@@ -20,8 +24,10 @@ import pytest
 import aoffload.testing
 from aoffload.testing import loop_factories
 from tests._bench_run import BenchRun, run_bench_smoke
+from tests._loop_ticker import LoopTicker, queued_since, report_to
 
 SLOW_CALLBACK_SECONDS = float(os.environ.get("AOFFLOAD_TEST_SLOW_CALLBACK", "0.05"))
+_TOOK = re.compile(r" took (\d+(?:\.\d+)?) seconds$")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,11 +40,28 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    return loop_factories(slow_callback_duration=SLOW_CALLBACK_SECONDS)
+    factories = loop_factories(slow_callback_duration=SLOW_CALLBACK_SECONDS)
+    return {name: _ticking(factory) for name, factory in factories.items()}
+
+
+@functools.cache
+def _ticking(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
+    # One wrapper per factory, however often the hook asks: pytest-asyncio shares a module-
+    # or session-scoped loop only between tests whose factories are equal.
+    def new_loop() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        LoopTicker(loop, SLOW_CALLBACK_SECONDS)
+        return loop
+
+    return new_loop
 
 
 class LoopBlockGuard(logging.Handler):
-    """Collects asyncio's "Executing <callback> took N seconds" debug-mode warnings."""
+    """Collects asyncio's "Executing <callback> took N seconds" debug-mode warnings, each
+    less the time the loop's thread waited for a CPU meanwhile (tests/_loop_ticker.py):
+    another process keeping a core busy is not the library blocking the loop."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -46,8 +69,15 @@ class LoopBlockGuard(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if message.startswith("Executing ") and " took " in message:
-            self.slow.append(message)
+        took = _TOOK.search(message)
+        if not message.startswith("Executing ") or took is None:
+            return
+        seconds = float(took.group(1))  # emitted on the loop's thread, right after the callback
+        queued = queued_since(seconds)
+        if seconds - queued > SLOW_CALLBACK_SECONDS:
+            self.slow.append(
+                f"{message} (no thread waited more than {queued * 1e3:.0f} ms for a CPU)"
+            )
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -84,6 +114,7 @@ def _guarded(
         loop = factory()
         loop.set_debug(True)
         loop.slow_callback_duration = SLOW_CALLBACK_SECONDS
+        LoopTicker(loop, SLOW_CALLBACK_SECONDS)
         return loop
 
     return new_loop
@@ -104,9 +135,11 @@ def loop_block_guard(
         import uvloop
 
         monkeypatch.setattr(uvloop, "new_event_loop", _guarded(uvloop.new_event_loop))
+    report_to(guard.slow.append)
     try:
         yield guard
     finally:
+        report_to(None)
         asyncio_logger.removeHandler(guard)
     if guard.slow and request.node.get_closest_marker("blocks_loop") is None:
         pytest.fail(

@@ -22,7 +22,7 @@ def test_offload_adam_section_measures_every_system(bench_smoke: BenchRun) -> No
     assert figures, "the offload_adam section measured nothing"
     measured: dict[str, set[str]] = {}
     for figure in figures:
-        assert figure["n"] >= 3, figure
+        assert figure["samples"], figure
         assert all(math.isfinite(v) and v > 0 for v in figure["samples"]), figure
         measured.setdefault(figure["system"], set()).add(figure["metric"])
     for system in (
@@ -50,4 +50,13 @@ def test_offload_adam_section_measures_every_system(bench_smoke: BenchRun) -> No
     assert any(n.startswith(f"{section.PACED} / ideal") for n in names), names
     assert any(n.startswith(f"{section.THREAD} / ideal") for n in names), names
     assert any(n.startswith(f"{section.OFFLOAD} / {section.FUSED}") for n in names), names
-    assert any(n.startswith(f"{section.OFFLOAD} / {section.ZERO_OFFLOAD}") for n in names), names
+    # #37.3: ZeRO-Offload (which always clips by, and checks, the global norm) is compared
+    # with OffloadAdam(max_grad_norm=...) only, never with OffloadAdam's defaults.
+    like = f"{section.OFFLOAD_CLIP} / {section.ZERO_OFFLOAD} (real model, like for like"
+    assert any(n.startswith(like) for n in names), names
+    assert not any(n.startswith(f"{section.OFFLOAD} / {section.ZERO_OFFLOAD}") for n in names)
+    assert "gradient_clipping=1.0" in section.ZERO_OFFLOAD
+    assert "max_grad_norm=1.0" in section.OFFLOAD_CLIP
+    # #37.4: the in-process overlap is reported against the sequential step too
+    titles = [t["title"] for t in data["tables"] if t["section"] == section.SECTION]
+    assert any(t.startswith("Paced backward: the sequential step / each overlap") for t in titles)

@@ -21,9 +21,10 @@ import aoffload
 from aoffload._runtime.bridge import Bridge
 from aoffload._runtime.protocol import Call
 from aoffload._runtime.resource import State
-from aoffload._runtime.threads import DaemonThreadExecutor
+from aoffload._runtime.threads import DaemonThreadExecutor, run_in_thread
 
 from ._leaks import Snapshot, child_pids
+from ._loop_ticker import PERIOD
 from .conftest import LoopBlockGuard
 from .services.echo import (
     TARGET,
@@ -92,12 +93,12 @@ async def test_large_requests_are_written_off_the_loop_and_keep_their_place() ->
     def record(value: object, error: BaseException | None) -> None:
         order.append(error or value)
 
-    big = await asyncio.to_thread(os.urandom, 8 << 20)  # not on the loop: the guard times it
+    big = await run_in_thread(os.urandom, 8 << 20, name="test-urandom")  # off the loop
     async with echo() as bridge:
         bridge.call_with_callback(Echo(1), record)
         assert not [t for t in threading.enumerate() if t.name.endswith("-sender")]
         # Pickled by the calling thread (here not the loop's), written by the sender thread.
-        await asyncio.to_thread(bridge.call_with_callback, EchoLarge(big), record)
+        await run_in_thread(bridge.call_with_callback, EchoLarge(big), record, name="test-call")
         assert [t for t in threading.enumerate() if t.name == "aoffload-echo-sender"]
         bridge.call_with_callback(Echo(2), record)  # queued behind the large one
         assert await bridge.request(Echo(3)) == 3
@@ -347,6 +348,8 @@ async def test_the_loop_guard_catches_a_blocked_loop(loop_block_guard: LoopBlock
     time.sleep(0.12)  # noqa: ASYNC251 - deliberately block this test step
     await asyncio.sleep(0)
     assert loop_block_guard.slow, "asyncio debug mode did not report a 120 ms blocking step"
+    await asyncio.sleep(2 * PERIOD)  # the ticker's overdue tick runs, and reports it too
+    assert any("woke" in message for message in loop_block_guard.slow), loop_block_guard.slow
     loop_block_guard.slow.clear()
 
 

@@ -13,7 +13,11 @@ from typing import Any
 
 import pytest
 
-from ._ranks import complete_tags, run_ranks
+from ._rank_scenarios import shard
+from ._ranks import assert_saved, complete_tags, run_ranks
+
+PROMPT = 5.0  # "at once" on a loaded 2-core host (the old departure took 120 s: see below)
+SLACK = 3.0  # what a loaded 2-core host may add to a deadline
 
 SCENARIOS: list[list[Any]] = [
     ["basics", {}],
@@ -106,7 +110,7 @@ def test_a_killed_writer_fails_the_commit_on_every_rank_and_names_it(two_ranks: 
     assert healthy[0] == "CheckpointError"
     assert "failed on rank 1: its writer died" in healthy[1]
     assert "'latest' still names 'step-1'" in healthy[1]
-    assert healthy[2] < 30.0  # seen when it happened, not after commit_timeout (300 s)
+    assert healthy[2] < PROMPT  # seen when it happened, not after commit_timeout (300 s)
     for result in results:
         assert result["listing"] == [
             ".aoffload.lock",
@@ -145,13 +149,19 @@ def test_a_second_writer_refuses_wipes_nothing_and_dead_leftovers_go(two_ranks: 
 
 
 def test_random_writer_kills_never_publish_a_partial_tag(two_ranks: Any) -> None:
-    """Every round, each rank SIGKILLs its own writer at a random point (20 kills)."""
+    """Every round, each rank SIGKILLs its own writer at a random point (20 kills). Every
+    tag left is whole (checked with xxhash, not aoffload's verifier) and holds exactly what
+    each rank saved at its step."""
     directory, results = scenario(two_ranks, "random_kills")
     for rank, result in enumerate(results):
         assert len(result["kinds"]) == 10
         assert set(result["kinds"]) <= {"WorkerDiedError", "CheckpointError"}, rank
     tags = complete_tags(directory)  # raises on any partial tag
     assert tags
+    for tag in tags:
+        step = int(tag.removeprefix("t-"))
+        for rank in range(2):
+            assert_saved(directory / tag / f"s-{rank}.pt", shard(rank, step, rows=64))
     assert not [e for e in os.listdir(directory) if e.startswith(".tmp-")]
 
 
@@ -160,7 +170,6 @@ def test_random_writer_kills_never_publish_a_partial_tag(two_ranks: Any) -> None
 # close (or, for a SIGKILL, its writer, which outlives it a moment) fails the peers'
 # commit at once; commit_timeout (here 120 s) is left for a rank that hangs.
 DEPARTURE_TIMEOUT = 120.0
-PROMPT = 15.0  # "at once" on a loaded 2-core host; the old behaviour took 120 s
 
 
 @pytest.mark.parametrize(
@@ -192,7 +201,7 @@ def test_a_rank_that_leaves_fails_its_peers_commit_at_once_naming_it(
     assert kind == "CheckpointError"
     assert f"checkpoint 'step-2' failed on rank 1: {why}" in message
     assert seconds < PROMPT
-    assert result["close_seconds"] < 30.0  # aclose() does not wait for the departed rank
+    assert result["close_seconds"] < PROMPT  # aclose() does not wait for the departed rank
     assert complete_tags(tmp_path) == ["step-1"]
 
 
@@ -217,7 +226,7 @@ def test_a_hung_rank_is_named_after_commit_timeout(tmp_path: Path) -> None:
     kind, message, seconds = result["failed"]
     assert kind == "CheckpointError"
     assert "rank(s) [1] did not report within commit_timeout=8.0 s" in message
-    assert seconds >= 8.0
+    assert 8.0 <= seconds < 8.0 + SLACK
     late = outcomes[1].check()["failed"]  # when it wakes, the verdict (or rank 0) is gone
     assert late[0] == "CheckpointError"
     assert complete_tags(tmp_path) == ["step-1"]

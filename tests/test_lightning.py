@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,45 +247,73 @@ def test_a_file_the_plugin_did_not_write_loads_and_removes_as_lightning_does(
     plugin.teardown()
 
 
-def _kill_during_a_save(directory: Path, seed: int) -> tuple[int, int]:
-    """Run tests._lightning_app saving every step; SIGKILL it during a save.
-
-    Even seeds kill it in a commit (up to 0.3 s after a save returned: the write, fsync,
-    publication or link), odd ones in a copy (up to 30 ms after a save began). Returns the
-    writer's pid and the step whose save was under way.
-    """
+@pytest.fixture
+def zygote() -> Iterator[subprocess.Popen[str]]:
+    """``python -m tests._lightning_app --zygote``: forks each run the test kills."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests._lightning_app", str(directory), "60", str(1 << 20)],
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests._lightning_app", "--zygote"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         env=env,
     )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "ready\n"
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _kill_during_a_save(
+    zygote: subprocess.Popen[str], directory: Path, seed: int
+) -> tuple[int, int]:
+    """Fork a run of tests._lightning_app saving every step; SIGKILL it during a save.
+
+    Even seeds kill it in a commit (up to 0.3 s after a save returned: the write, fsync,
+    publication or link), odd ones in a copy (up to 30 ms after a save began). Returns the
+    writer's pid and the step whose save was under way.
+    """
+    assert zygote.stdin is not None
+    assert zygote.stdout is not None
+    zygote.stdin.write(f"{directory} 60 {1 << 20}\n")
+    zygote.stdin.flush()
     rng = random.Random(seed)
     phase, delay = ("staged", 0.3) if seed % 2 == 0 else ("saving", 0.03)
-    try:
-        assert child.stdout is not None
-        for line in child.stdout:
-            event, step, pid = line.split() if line.count(" ") == 2 else ("", "", "")
+    run, killed = 0, None
+    for line in zygote.stdout:
+        words = line.split()
+        if words[:1] == ["run"]:
+            run = int(words[1])
+        elif words[:1] == ["ended"]:
+            assert killed is not None, "the run ended before it was killed"
+            assert int(words[1]) == run
+            status = int(words[2])
+            assert os.WIFSIGNALED(status), status
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            return killed
+        elif killed is None and len(words) == 3:
+            event, step, pid = words
             if event == phase and pid != "None" and int(step) >= 2 + seed % 3:
                 time.sleep(rng.uniform(0.0, delay))
-                child.send_signal(signal.SIGKILL)
-                break
-    finally:
-        child.kill()
-        child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
-    assert child.returncode == -signal.SIGKILL, "the run ended before it was killed"
-    return int(pid), int(step)
+                os.kill(run, signal.SIGKILL)
+                killed = int(pid), int(step)
+    raise AssertionError("the zygote exited")
 
 
 @pytest.mark.timeout(900)
-def test_a_run_killed_during_saves_leaves_only_complete_checkpoints(tmp_path: Path) -> None:
+def test_a_run_killed_during_saves_leaves_only_complete_checkpoints(
+    tmp_path: Path, zygote: subprocess.Popen[str]
+) -> None:
     seen: list[int] = []
     for seed in range(4):
-        writer, step = _kill_during_a_save(tmp_path, seed)
+        writer, step = _kill_during_a_save(zygote, tmp_path, seed)
         seen.append(step)
         # The writer follows its trainer (EOF on its pipe), once the write it is in ends.
         with contextlib.suppress(psutil.NoSuchProcess):  # gone already

@@ -18,11 +18,8 @@ from aoffload.testing import kill_worker
 
 from . import _offload as o
 
-# The backwards, models and reference steps of these tests run on the loop thread, as a
-# training step does: the guard would time them, not the library.
-pytestmark = pytest.mark.blocks_loop
 
-
+@pytest.mark.blocks_loop  # on purpose: the loop's thread waits in join() while buckets flow
 async def test_a_backward_on_a_thread_while_the_loop_thread_is_blocked() -> None:
     model, twin = o.mlp(), o.mlp()
     run = o.Run()
@@ -93,12 +90,22 @@ def _linear_pair() -> tuple[torch.nn.Linear, torch.nn.Linear, torch.Tensor]:
     return model, twin, torch.randn(8, 4096)
 
 
+def _twin_steps(twin: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    adamw = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
+    for _ in range(2):
+        twin(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+        adamw.step()
+        adamw.zero_grad()
+    return list(twin.parameters())
+
+
 async def test_a_cancelled_astep_finishes_the_step_then_raises() -> None:
-    model, twin, x = _linear_pair()
+    model, twin, x = await o.off_loop(_linear_pair)  # 2 x 16M parameters, made off the loop
     opt = aoffload.OffloadAdam(model.parameters(), lr=1e-3, backend="torch", max_grad_norm=0.1)
     async with opt:
         for _ in range(2):
-            model(x).square().mean().backward()  # 16M parameters, on the loop thread
+            await o.off_loop(lambda: model(x).square().mean().backward())  # 16M parameters
             task = asyncio.create_task(opt.astep())
             await asyncio.sleep(0)  # the step is submitted and waits for the worker
             assert not task.done()
@@ -108,19 +115,14 @@ async def test_a_cancelled_astep_finishes_the_step_then_raises() -> None:
             assert opt.last_step is not None
             assert opt.last_step.clipped  # the step went to its end: clipped and redone
             opt.zero_grad()
-    adamw = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
-    for _ in range(2):
-        twin(x).square().mean().backward()
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
-        adamw.step()
-        adamw.zero_grad()
-    o.assert_identical([p.detach() for p in model.parameters()], list(twin.parameters()))
+    expected = await o.off_loop(_twin_steps, twin, x)
+    await o.off_loop(o.assert_identical, [p.detach() for p in model.parameters()], expected)
 
 
 async def test_a_second_cancellation_leaves_the_step_to_a_thread() -> None:
-    model, _, x = _linear_pair()
+    model, _, x = await o.off_loop(_linear_pair)
     async with aoffload.OffloadAdam(model.parameters(), backend="torch") as opt:
-        model(x).square().mean().backward()
+        await o.off_loop(lambda: model(x).square().mean().backward())
         task = asyncio.create_task(opt.astep())
         await asyncio.sleep(0)
         task.cancel()
@@ -181,14 +183,14 @@ async def test_a_bucket_is_sent_only_once_a_staging_copy_of_it_has_ended() -> No
         backward = threading.Thread(target=big_step, args=(model, 0), name="backward-thread")
         try:
             backward.start()
-            backward.join(timeout=1.0)
+            await o.off_loop(backward.join, 1.0)
             assert backward.is_alive()  # its first hook waits for the copy...
             assert core.outcomes.idle()
             assert not core.outcomes.completed
-            o.assert_identical([p.detach() for p in params], before)
+            await o.off_loop(o.assert_identical, [p.detach() for p in params], before)
         finally:
             GATE.end_read(reading)
-        backward.join(timeout=120)
+        await o.off_loop(backward.join, 120)
         assert not backward.is_alive()
         await opt.astep()
         assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
@@ -211,6 +213,7 @@ async def test_staging_the_parameters_during_a_step_is_refused(tmp_path: Path) -
         assert _same(loaded, expected)
 
 
+@pytest.mark.blocks_loop  # on purpose: a training step between stage() and its fence
 async def test_stagings_while_the_worker_steps_are_exact(tmp_path: Path) -> None:
     """Model and optimizer state staged at the end of a step and fenced before the next
     step, the next backward running meanwhile (its sends wait for the copy of the memory the

@@ -18,6 +18,7 @@ from aoffload.optimizer._core import OptimizerCore
 from aoffload.optimizer._subgroups import check_options
 
 from ._leaks import Snapshot
+from ._loop_ticker import PERIOD
 from .test_optimizer import settled
 
 STEPS = 24
@@ -26,13 +27,16 @@ STEPS = 24
 @contextlib.asynccontextmanager
 async def loop_blocked_on_purpose() -> AsyncIterator[None]:
     """The test blocks the loop thread deliberately: keep the conftest's guard (asyncio's
-    debug-mode slow-callback warning) quiet for that one task step, and only for it."""
+    debug-mode slow-callback warning, and the ticker that sees a late wake-up) quiet for that
+    one task step, and only for it."""
     loop = asyncio.get_running_loop()
     threshold = loop.slow_callback_duration
     loop.slow_callback_duration = 3600.0
     try:
         yield
-        await asyncio.sleep(0)  # the blocking step ends here, under the raised threshold
+        # the blocking step ends here, and the ticker's overdue tick runs, under the raised
+        # threshold
+        await asyncio.sleep(2 * PERIOD)
     finally:
         loop.slow_callback_duration = threshold
 

@@ -27,8 +27,10 @@ from aoffload.checkpoint.format import layout
 
 from ._ranks import complete_tags
 
-FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}}}
-"""botocore's own retries off: a dead endpoint fails each attempt at once (ours remain)."""
+FAST_FAIL = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}
+"""botocore's own retries off: a dead endpoint fails each attempt at once (ours remain).
+(``max_attempts`` counts *retries* in botocore's default mode: ``max_attempts: 1`` left one
+retry, after a random wait of up to a second, in every attempt of ours.)"""
 FAST_BACKOFF = 0.01
 """Our retries all remain (five attempts), 0.15 s apart in all instead of 7.5 s."""
 
@@ -313,7 +315,7 @@ async def test_aclose_gives_up_on_an_upload_after_upload_timeout(
         started = time.monotonic()
         with pytest.raises(aoffload.CheckpointError, match=r"upload_timeout=2\.0"):
             await engine.aclose()
-        assert time.monotonic() - started < 30
+        assert 2.0 <= time.monotonic() - started < 2.0 + 3.0  # upload_timeout, and no more
     assert complete_tags(tmp_path) == ["step-1"]
 
 

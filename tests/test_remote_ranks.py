@@ -10,7 +10,8 @@ import pytest
 from aoffload._moto import S3Endpoint
 from aoffload.checkpoint.format import layout
 
-from ._ranks import run_ranks
+from ._rank_scenarios import shard
+from ._ranks import MANIFEST, assert_saved, check_files, run_ranks
 
 
 def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
@@ -51,3 +52,8 @@ def test_ranks_on_separate_directories_commit_locally_upload_and_resume(
     manifest = json.loads(found[f"step-3/{layout.MANIFEST}"])
     assert sorted(manifest["files"]) == ["shard-0.pt", "shard-1.pt"]  # one manifest, all ranks
     assert found["latest"] == b"step-3\n"
+    for step in (2, 3):  # whole (xxhash, not aoffload's verifier), and what each rank saved
+        tag = f"step-{step}"
+        uploaded = check_files(tag, found[f"{tag}/{MANIFEST}"], lambda n, t=tag: found[f"{t}/{n}"])
+        for rank in range(2):
+            assert_saved(uploaded[f"shard-{rank}.pt"], shard(rank, step))

@@ -3,7 +3,7 @@ over a :class:`~.core.WorkerCore`.
 
 The core does the work on its own threads and needs no loop; the bridge only hands its
 outcomes to the event loop it started on, through one :class:`~.threads.LoopInbox`, so a
-burst of replies wakes the loop once. ``call(WriteFile(...))`` returns an
+burst of replies wakes the loop once. ``call(WriteRecords(...))`` returns an
 ``asyncio.Future[FileRecord]`` that a reply resolves, a remote exception fails with
 :class:`RemoteError` and the worker's death fails with :class:`WorkerDiedError` within
 milliseconds. Cancelling an await abandons that wait only. The start waits for the READY

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar, cast
 
-from .threads import Handoff, running_future
+from .threads import Handoff, running_future, start_thread
 
 __all__ = ["Handle", "in_thread"]
 
@@ -188,5 +188,5 @@ def in_thread(fn: Callable[..., _T], *args: Any, name: str) -> Handle[_T]:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the handle
             future.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    start_thread(run, name=name, failed=future.set_exception)  # never waits for it to run
     return Handle(future)

@@ -1,9 +1,9 @@
 """Typed calls between the trainer and a worker process.
 
 Pure data, cheap to import, no torch. A request is an instance of a :class:`Call`
-subclass, and the subclass names its result type: ``class WriteFile(Call[FileRecord])``.
+subclass, and the subclass names its result type: ``class WriteRecords(Call[FileRecord])``.
 The bridge's :meth:`~aoffload._runtime.bridge.Bridge.call` therefore returns a
-``Future[FileRecord]`` for a ``WriteFile``, and the worker's service dispatches on the
+``Future[FileRecord]`` for a ``WriteRecords``, and the worker's service dispatches on the
 request's type (:class:`~aoffload._runtime.serve.Service`). There is no operation enum:
 the message type *is* the operation.
 

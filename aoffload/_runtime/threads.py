@@ -6,6 +6,8 @@
   so that an ``asyncio.wrap_future`` of it, cancelled, abandons the wait only;
 - :func:`run_in_thread` runs one blocking call on a fresh daemon thread for a coroutine
   (the bounded blocking steps of a start or a close), never on the loop's default executor;
+- :func:`start_thread` starts a daemon thread without waiting until the new thread runs
+  (``Thread.start()`` does wait: on a busy host, tens of milliseconds of an event loop's);
 - :class:`Handoff` moves a result (a loaded state) from a thread to its awaiter, so that
   the thread never holds the last reference to it;
 - :class:`LoopInbox` hands results produced on any thread to one event loop, waking it once
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
 import concurrent.futures
@@ -38,6 +41,7 @@ __all__ = [
     "background_policy",
     "mark_retrieved",
     "run_in_thread",
+    "start_thread",
     "running_future",
 ]
 
@@ -229,6 +233,57 @@ class Handoff(Generic[_T]):
         return cast(_T, value)
 
 
+class _Starter:
+    """A daemon thread that starts threads for callers that must not wait for them.
+
+    ``threading.Thread.start()`` returns only once the new thread runs; when every core is
+    busy (a data loader's workers, another job) the kernel may leave it waiting for a CPU
+    for tens of milliseconds, and a caller on an event loop's thread blocks the loop that
+    long. :func:`start_thread` hands the start to this thread instead, which is itself
+    started without that wait (``_thread.start_new_thread``) on first use, and again in a
+    forked child (where it does not exist).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Start] = queue.SimpleQueue()
+        self._pid = 0
+
+    def start(self, request: _Start) -> None:
+        with self._lock:
+            if self._pid != os.getpid():  # first use, or a forked child: no starter yet
+                self._queue = queue.SimpleQueue()
+                self._pid = os.getpid()
+                _thread.start_new_thread(self._run, (self._queue,))
+            self._queue.put(request)
+
+    @staticmethod
+    def _run(requests: queue.SimpleQueue[_Start]) -> None:
+        while True:
+            target, args, name, failed = requests.get()
+            try:
+                threading.Thread(target=target, args=args, name=name, daemon=True).start()
+            except Exception as exc:  # noqa: BLE001 - the caller's, through failed()
+                failed(exc)
+
+
+_Start = tuple[Callable[..., object], tuple[Any, ...], str, Callable[[BaseException], object]]
+_STARTER = _Starter()
+
+
+def start_thread(
+    target: Callable[..., object],
+    *args: Any,
+    name: str,
+    failed: Callable[[BaseException], object],
+) -> None:
+    """Start ``target(*args)`` on a new daemon thread named ``name``, without waiting for
+    the thread to run (see :class:`_Starter`): safe on an event loop's thread. If the
+    thread cannot start (``RuntimeError: can't start new thread``), ``failed(exc)`` is
+    called instead, on the starter's thread."""
+    _STARTER.start((target, args, name, failed))
+
+
 async def run_in_thread(fn: Callable[..., _T], *args: Any, name: str) -> _T:
     """``await`` ``fn(*args)`` run on a fresh daemon thread (for bounded blocking steps).
 
@@ -244,7 +299,7 @@ async def run_in_thread(fn: Callable[..., _T], *args: Any, name: str) -> _T:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
             future.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    start_thread(run, name=name, failed=future.set_exception)  # the loop never waits for it
     return (await asyncio.wrap_future(future)).take()
 
 

@@ -93,11 +93,11 @@ class _Watch:
 
 
 @contextlib.contextmanager
-def _hogs(count: int) -> Iterator[None]:
+def _hogs(count: int, settle: float) -> Iterator[None]:
     """``count`` CPU-bound processes (a data loader's workers) for the duration."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
-        time.sleep(0.5)  # let them take the cores
+        time.sleep(settle if count else 0.0)  # let them take the cores
         yield
     finally:
         for proc in procs:
@@ -106,7 +106,9 @@ def _hogs(count: int) -> Iterator[None]:
             proc.wait()
 
 
-async def _measure(report: Report, root: Path, size_gib: float, reps: int, margin: float) -> None:
+async def _measure(
+    report: Report, root: Path, size_gib: float, reps: int, margin: float, smoke: bool
+) -> None:
     import aoffload
 
     state = make_state(size_gib)
@@ -139,7 +141,7 @@ async def _measure(report: Report, root: Path, size_gib: float, reps: int, margi
         )  # fmt: skip
 
         progress("background: a real CPU step on one core (one core left free)")
-        work = _matmul_step(max(0.5, 3 * copy), threads=1)
+        work = _matmul_step(0.05 if smoke else max(0.5, 3 * copy), threads=1)
         stalls, copies = [], []
         for _ in range(reps):
             name = tag()
@@ -192,14 +194,14 @@ async def _small(engine: Any, tag: str) -> float:
     return time.perf_counter() - started
 
 
-async def _loaded(report: Report, root: Path, reps: int) -> None:
+async def _loaded(report: Report, root: Path, reps: int, settle: float) -> None:
     import aoffload
 
     async with aoffload.CheckpointEngine(root / "small", keep_last=1) as engine:
         await _small(engine, "warm")
         for label, hogs in (("quiet host", 0), ("3 CPU-bound processes", 3)):
             progress(f"background: save() + commit() of 4 MiB, {label}")
-            with _hogs(hogs):
+            with _hogs(hogs, settle):
                 ours = [await _small(engine, f"{hogs}-{i}") for i in range(reps)]
                 plain = [torch_save_stall(root, SMALL, 0.0)[0] for _ in range(reps)]
             report.add(SECTION, SYSTEM, f"save() + commit() of 4 MiB, {label}", "s", ours)
@@ -218,13 +220,16 @@ def run(
 ) -> None:
     """Measure what progresses while the loop is blocked, and under a loaded host."""
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-", dir=directory))
-    reps = 3 if quick else 5
+    reps = 1 if smoke else 3 if quick else 5  # --smoke: every measurement runs once
     report.notes.append(
-        f"background: {size_gib:g} GiB of 64 MiB fp32 tensors; every step blocks the loop's "
+        f"background: {size_gib:g} GiB of fp32 tensors (64 MiB each, or one smaller); every "
+        "step blocks the loop's "
         f"thread (time.sleep or matrix products on it); {os.cpu_count()} CPUs"
     )
     try:
-        asyncio.run(_measure(report, root, size_gib, reps, 1.0 if smoke else 2.0))
-        asyncio.run(_loaded(report, root, 3 if smoke else 5 if quick else 10))
+        asyncio.run(_measure(report, root, size_gib, reps, 1.0 if smoke else 2.0, smoke))
+        asyncio.run(
+            _loaded(report, root, 1 if smoke else 5 if quick else 10, 0.1 if smoke else 0.5)
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)

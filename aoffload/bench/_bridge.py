@@ -182,7 +182,7 @@ def _loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
 
 def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure the bridge's round trip against plain pipes, death detection and starts."""
-    requests, reps = (100, 3) if smoke else (500, 3) if quick else (2000, 7)
+    requests, reps = (20, 1) if smoke else (500, 3) if quick else (2000, 7)
     progress(f"bridge: blocking pipe round trip ({reps} x {requests})")
     baseline = report.add(
         SECTION,
@@ -215,7 +215,7 @@ def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
         report.ratio(SECTION, f"aoffload bridge ({name}) / run_in_executor pipe", ours, floor)
         progress(f"bridge: trainer CPU per reply on {name}")
         burst = f"trainer CPU per reply ({_BURST} pipelined {_WORK * 1e3:.1f} ms requests)"
-        bursts = 3 if smoke else 10 if quick else 50
+        bursts = 1 if smoke else 10 if quick else 50
         with asyncio.Runner(loop_factory=factory) as runner:
             thread = report.add(
                 SECTION,
@@ -230,7 +230,7 @@ def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
         report.ratio(
             SECTION, f"CPU per reply: aoffload bridge / reader thread ({name})", ours, thread
         )
-    hold, kills = (32 << 20, 3) if smoke else (256 << 20, 3) if quick else (2 << 30, 10)
+    hold, kills = (1 << 20, 1) if smoke else (256 << 20, 3) if quick else (2 << 30, 10)
     progress(f"bridge: death detection, worker holding {hold >> 20} MiB, {kills} kills")
     report.add(
         SECTION,

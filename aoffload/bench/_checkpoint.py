@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from ._checkpoint_stall import aoffload_runs
+from ._checkpoint_stall import DURABLE, aoffload_runs
 from ._checkpoint_systems import (
     DeepSpeedDecoupled,
+    Timing,
     dcp_stall,
     init_single_process_group,
     torch_save_stall,
@@ -36,15 +37,20 @@ TENSOR_BYTES = 64 << 20
 CHUNK = 64 << 20
 GIB = float(1 << 30)
 STAGE = "aoffload"
+DCP_THREAD = "dcp.async_save + DefaultStager (thread)"
+DCP_PROCESS = "dcp.async_save + DefaultStager (process, shared memory)"
+DCP_PLAIN = "dcp.async_save, no stager (thread; DCP's default, its weaker mode)"
 
 
 def make_state(size_gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """``size_gib`` of 64 MiB fp32 tensors on ``device``, with non-trivial contents."""
-    count = max(1, round(size_gib * GIB / TENSOR_BYTES))
+    """``size_gib`` of 64 MiB fp32 tensors on ``device``, with non-trivial contents (one
+    smaller tensor for a state under 64 MiB, as --smoke's)."""
+    nbytes = max(4096, round(size_gib * GIB))
+    count = max(1, round(nbytes / TENSOR_BYTES))
+    numel = min(TENSOR_BYTES, nbytes) // 4
     generator = torch.Generator().manual_seed(0)
     return {
-        f"layer{i}.weight": torch.rand(TENSOR_BYTES // 4, generator=generator).to(device)
-        for i in range(count)
+        f"layer{i}.weight": torch.rand(numel, generator=generator).to(device) for i in range(count)
     }
 
 
@@ -119,17 +125,22 @@ def run(
 def _run(
     report: Report, *, quick: bool, smoke: bool, size_gib: float, root: Path, device: str
 ) -> None:
-    reps = 3
-    step = 0.05 if smoke else 0.5  # --smoke: every system runs, no step needs to be long
+    reps = 1 if smoke else 3  # --smoke: every system runs once; it measures nothing
+    step = 0.05 if smoke else 0.5
     computes = (0.0, step) if quick else (0.0, step, 2.0)
     state = make_state(size_gib, device)
     nbytes = state_bytes(state)
+    tensor_mib = next(iter(state.values())).numel() * 4 / 2**20
     report.notes.append(
-        f"checkpoint state: {len(state)} x 64 MiB fp32 = {nbytes / GIB:.2f} GiB on {device}; "
-        "the 'step' is a sleep (the trainer waiting for its accelerator) except in the "
-        "'real CPU step' rows; the stall is every wait the trainer has for one checkpoint "
+        f"checkpoint state: {len(state)} x {tensor_mib:g} MiB fp32 = {nbytes / GIB:.3g} GiB on "
+        f"{device}; the 'step' is a sleep (the trainer waiting for its accelerator) except in "
+        "the 'real CPU step' rows; the stall is every wait the trainer has for one checkpoint "
         "(aoffload: the stage() call plus the fence, `await staged`, after the step; DCP with "
-        "async staging: async_save plus its staging future; DeepSpeed: save() plus commit())"
+        "DefaultStager: async_save plus its staging future; DCP without a stager: its whole "
+        "save; DeepSpeed: save() plus commit()). The time to durable runs from the save call "
+        "with a 0 s step until the checkpoint is durable: aoffload's commit() returned "
+        "(fsynced), torch.save+fsync returned, DCP's upload future resolved (FileSystemWriter "
+        "fsyncs), DeepSpeed's commit() returned (its python writer does not fsync)"
     )
     cores = len(os.sched_getaffinity(0))
     progress("checkpoint: memcpy limits")
@@ -174,7 +185,7 @@ def _run(
     _systems_runs(
         report, "torch.save+fsync", computes, reps, lambda c: torch_save_stall(root, state, c)
     )
-    _dcp(report, root, state, computes, reps)
+    _dcp(report, root, state, computes, reps, device)
     if device == "cpu":
         _deepspeed(report, root, state, computes, reps)
     else:
@@ -196,8 +207,8 @@ def _ratios(
     )
     for system in (
         "torch.save+fsync",
-        "dcp.async_save (thread, async staging)",
-        "dcp.async_save (thread)",
+        DCP_THREAD,
+        DCP_PROCESS,
         "DeepSpeed decoupled (cold)",
         "DeepSpeed decoupled (warm)",
     ):
@@ -209,6 +220,12 @@ def _ratios(
                 report.find(SECTION, STAGE, metric),
                 report.find(SECTION, system, metric),
             )
+        report.ratio(
+            SECTION,
+            f"time to durable: aoffload / {system}",
+            report.find(SECTION, STAGE, DURABLE),
+            report.find(SECTION, system, DURABLE),
+        )
 
 
 def _systems_runs(
@@ -216,13 +233,17 @@ def _systems_runs(
     system: str,
     computes: tuple[float, ...],
     reps: int,
-    call: Callable[[float], tuple[float, float]],
+    call: Callable[[float], Timing],
 ) -> None:
     blocking: list[float] = []
     for compute in computes:
         runs = [call(compute) for _ in range(reps)]
-        blocking += [r[0] for r in runs]
-        report.add(SECTION, system, f"trainer stall, {compute:g} s step", "s", [r[1] for r in runs])
+        blocking += [r.blocking for r in runs]
+        report.add(
+            SECTION, system, f"trainer stall, {compute:g} s step", "s", [r.stall for r in runs]
+        )
+        if compute == 0.0:
+            report.add(SECTION, system, DURABLE, "s", [r.durable for r in runs])
     report.add(SECTION, system, "blocking time", "s", blocking)
 
 
@@ -232,46 +253,51 @@ def _dcp(
     state: dict[str, torch.Tensor],
     computes: tuple[float, ...],
     reps: int,
+    device: str,
 ) -> None:
+    """DCP with DefaultStager, its strongest documented mode, in THREAD and PROCESS modes
+    (every staging option the device allows); then without a stager (its default)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     except ImportError as exc:
         report.skip(SECTION, "dcp.async_save", f"torch.distributed.checkpoint unavailable: {exc}")
         return
-    cuda = torch.cuda.is_available()
-    variants: list[tuple[str, Callable[[], Any]]] = [
-        ("dcp.async_save (thread)", lambda: None),
-        (
-            "dcp.async_save (thread, async staging)",
-            lambda: DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
-                )
-            ),
-        ),
+    cuda = device == "cuda"
+
+    def stager(shared: bool) -> Any:
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=shared,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
+
+    variants: list[tuple[str, Any, Callable[[], Any]]] = [
+        (DCP_THREAD, AsyncCheckpointerType.THREAD, lambda: stager(False)),
+        (DCP_PROCESS, AsyncCheckpointerType.PROCESS, lambda: stager(True)),
+        (DCP_PLAIN, AsyncCheckpointerType.THREAD, lambda: None),
     ]
-    for system, make_stager in variants:
+    for system, kind, make_stager in variants:
         progress(f"checkpoint: {system}")
         try:
             init_single_process_group()
-            stager = make_stager()
-            dcp_stall(root, state, 0.0, AsyncCheckpointerType.THREAD, stager)  # warm-up
+            made = make_stager()
+            dcp_stall(root, state, 0.0, kind, made)  # warm-up (PROCESS: starts its process)
         except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported
             report.skip(SECTION, system, f"{type(exc).__name__}: {exc}"[:300])
             continue
 
-        def call(compute: float, stager: Any = stager) -> tuple[float, float]:
-            return dcp_stall(root, state, compute, AsyncCheckpointerType.THREAD, stager)
+        def call(compute: float, kind: Any = kind, made: Any = made) -> Timing:
+            return dcp_stall(root, state, compute, kind, made)
 
         try:
             _systems_runs(report, system, computes, reps, call)
         finally:
-            if stager is not None:
-                stager.close()
+            if made is not None:
+                made.close()
 
 
 def _deepspeed(

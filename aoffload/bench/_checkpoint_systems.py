@@ -1,8 +1,9 @@
 """The systems the checkpoint section measures aoffload against: torch.save, DCP, DeepSpeed.
 
 Each ``*_stall`` function checkpoints once, lets a ``compute``-second step run (a sleep: the
-trainer waiting for its accelerator), and returns (blocking time, trainer stall), where the
-stall counts every wait the trainer has for this checkpoint.
+trainer waiting for its accelerator), and returns a :class:`Timing`: the blocking time, the
+trainer's stall (every wait the trainer has for this checkpoint), and the time from the save
+call until the checkpoint is durable (all of it timed, nothing left to an untimed wait).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "DeepSpeedDecoupled",
+    "Timing",
     "dcp_stall",
     "init_single_process_group",
     "scratch",
@@ -60,12 +62,22 @@ def init_single_process_group() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+class Timing(NamedTuple):
+    """One checkpoint of one system, in seconds."""
+
+    blocking: float
+    """The save call itself."""
+    stall: float
+    """Every wait the trainer has for this checkpoint: the call plus its fence after the step."""
+    durable: float
+    """From the save call until the checkpoint is durable (for a system that cannot overlap
+    the step, its save comes first and the step after: the step is not in it)."""
+
+
 # -- the systems ------------------------------------------------------------------------------
 
 
-def torch_save_stall(
-    root: Path, state: dict[str, torch.Tensor], compute: float
-) -> tuple[float, float]:
+def torch_save_stall(root: Path, state: dict[str, torch.Tensor], compute: float) -> Timing:
     """torch.save + fsync after a ``compute``-second step: it blocks for all of it."""
     with scratch(root, "torch-save") as directory:
         time.sleep(compute)
@@ -76,17 +88,18 @@ def torch_save_stall(
             f.flush()
             os.fsync(f.fileno())
         stall = time.perf_counter() - started
-        return stall, stall
+        return Timing(stall, stall, stall)
 
 
 def dcp_stall(
     root: Path, state: dict[str, torch.Tensor], compute: float, kind: Any, stager: Any = None
-) -> tuple[float, float]:
-    """(blocking time of async_save, trainer stall).
+) -> Timing:
+    """async_save of ``state`` with ``kind`` (THREAD or PROCESS) and ``stager``.
 
-    With ``stager`` (DCP's async staging) the trainer waits only for the staging future
-    after the step (its fence), then for the upload outside the timed span; without it,
-    for the whole save (DCP copies synchronously inside ``async_save``).
+    With ``stager`` (DCP's async staging, :class:`DefaultStager`) the trainer's stall is the
+    call plus the staging future after the step (its fence); the upload future is then waited
+    for, and timed, as the time to durable. Without a stager DCP copies synchronously inside
+    ``async_save``, and the trainer waits for the whole save at its next checkpoint.
     """
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
@@ -102,9 +115,10 @@ def dcp_stall(
             future.staging_completion.result()
             stall = blocked + time.perf_counter() - waited
             future.upload_completion.result()
-            return blocked, stall
+            return Timing(blocked, stall, time.perf_counter() - started)
         future.result()
-        return blocked, blocked + time.perf_counter() - waited
+        stall = blocked + time.perf_counter() - waited
+        return Timing(blocked, stall, time.perf_counter() - started)
 
 
 class DeepSpeedDecoupled:
@@ -135,10 +149,9 @@ class DeepSpeedDecoupled:
             optimize_dp_state=True,
         )
 
-    def stall(
-        self, root: Path, state: dict[str, torch.Tensor], compute: float
-    ) -> tuple[float, float]:
-        """(time in save(), total stall = save + commit wait after ``compute``)."""
+    def stall(self, root: Path, state: dict[str, torch.Tensor], compute: float) -> Timing:
+        """save(), then ``commit()`` after the step: the stall is both; durable when
+        ``commit()`` returns (its python writer flushes but does not fsync)."""
         from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
         with scratch(root, "deepspeed") as directory:
@@ -151,7 +164,8 @@ class DeepSpeedDecoupled:
             time.sleep(compute)
             waited = time.perf_counter()
             self.engine.commit(info)
-            return saved, saved + time.perf_counter() - waited
+            ended = time.perf_counter()
+            return Timing(saved, saved + ended - waited, ended - started)
 
     def death_detection(self, root: Path, state: dict[str, torch.Tensor]) -> float:
         from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo

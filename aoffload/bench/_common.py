@@ -70,6 +70,14 @@ class Figure:
         """Kept for callers that read it; equals :attr:`value` (see :attr:`label`)."""
         return self.value
 
+    @property
+    def worst(self) -> float:
+        """The worst sample: the largest, or the smallest for a rate (a unit per second).
+
+        Printed beside the median, so that a figure which is a median of maxima (a loop's
+        lag, a stall) never hides its worst run."""
+        return min(self.samples) if self.unit.endswith("/s") else max(self.samples)
+
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         many = self.n >= MIN_SAMPLES
@@ -81,6 +89,7 @@ class Figure:
             median=self.value if many else None,
             min=min(self.samples) if many else None,
             max=max(self.samples) if many else None,
+            worst=self.worst,
         )
         return data
 
@@ -138,6 +147,12 @@ class Report:
     ratios: list[Ratio] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def marks(self, *, zero: bool = False) -> dict[str, int]:
+        """How many entries each list holds now (all 0 with ``zero``): a section's entries
+        are those between the marks taken before and after it."""
+        names = ("figures", "skipped", "failures", "ratios", "tables", "notes")
+        return {name: 0 if zero else len(getattr(self, name)) for name in names}
 
     def add(
         self,
@@ -237,12 +252,13 @@ def format_value(value: float, unit: str) -> str:
 
 
 def _figure_row(f: Figure) -> str:
+    worst = format_value(f.worst, f.unit)
     if f.label:
         shown, spread = f"{format_value(f.value, f.unit)} ({f.label})", "—"
     else:
         low, high = format_value(min(f.samples), f.unit), format_value(max(f.samples), f.unit)
         shown, spread = format_value(f.value, f.unit), f"{low} - {high}"
-    return f"| {f.system} | {f.metric} | {shown} | {spread} | {f.n} |"
+    return f"| {f.system} | {f.metric} | {shown} | {spread} | {worst} | {f.n} |"
 
 
 def render(report: Report) -> str:
@@ -251,8 +267,8 @@ def render(report: Report) -> str:
     sections = dict.fromkeys(f.section for f in report.figures)
     for section in sections:
         lines.append(f"\n## {section}\n")
-        lines.append("| system | metric | median | min - max | n |")
-        lines.append("| --- | --- | --- | --- | --- |")
+        lines.append("| system | metric | median | min - max | worst | n |")
+        lines.append("| --- | --- | --- | --- | --- | --- |")
         lines.extend(_figure_row(f) for f in report.figures if f.section == section)
         ratios = [r for r in report.ratios if r.section == section]
         if ratios:

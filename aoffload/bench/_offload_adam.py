@@ -4,12 +4,15 @@
 on the GPU): forward, backward and the optimizer step (``zero_grad`` included), with
 in-process ``torch.optim.AdamW`` (foreach and fused) against :class:`aoffload.OffloadAdam`
 (its defaults; the backward runs on the event loop's thread, the step is ``await
-opt.astep()``) and against DeepSpeed's ZeRO-Offload (ZeRO stage 2 with ``offload_optimizer:
-cpu``: DeepSpeed's CPU Adam in the trainer's process, after the backward). With
-``max_grad_norm``, against the fused AdamW after ``clip_grad_norm_``; and with smaller
-buckets than the default (the model is about 21 MB of fp32: the default 32 MiB makes one
-bucket, sent when the backward ends). On the CPU the backward and the worker share the same
-cores. On a GPU each step ends with ``torch.cuda.synchronize()``: it ends when the
+opt.astep()``). With ``max_grad_norm``, against the fused AdamW after ``clip_grad_norm_``
+and against DeepSpeed's ZeRO-Offload (ZeRO stage 2 with ``offload_optimizer: cpu``:
+DeepSpeed's CPU Adam in the trainer's process, after the backward) with
+``gradient_clipping``: like for like, since ZeRO-Offload always computes the global norm
+and skips a step whose norm is not finite (DeepSpeed 0.19.8 refuses
+``compute_grad_norm: false`` with an offloaded optimizer), as ``max_grad_norm`` does; and
+with smaller buckets than the default (the model is about 21 MB of fp32: the default 32 MiB
+makes one bucket, sent when the backward ends). On the CPU the backward and the worker share
+the same cores. On a GPU each step ends with ``torch.cuda.synchronize()``: it ends when the
 parameters on the device are updated.
 
 **Paced backward** (:mod:`._offload_adam_paced`): 16 buckets whose gradients arrive on an
@@ -77,8 +80,12 @@ FOREACH = "in-process torch.optim.AdamW(foreach=True)"
 FUSED = "in-process torch.optim.AdamW(fused=True)"
 OFFLOAD = "aoffload OffloadAdam (defaults)"
 FUSED_CLIP = "in-process AdamW(fused=True) after clip_grad_norm_(1.0)"
-OFFLOAD_CLIP = "aoffload OffloadAdam (max_grad_norm=1.0)"
-ZERO_OFFLOAD = "DeepSpeed ZeRO-Offload (stage 2, offload_optimizer: cpu)"
+OFFLOAD_CLIP = "aoffload OffloadAdam (max_grad_norm=1.0: clips, skips a non-finite step)"
+ZERO_OFFLOAD = (
+    "DeepSpeed ZeRO-Offload (stage 2, offload_optimizer: cpu, gradient_clipping=1.0: "
+    "clips, skips a non-finite step)"
+)
+CLIP = 1.0
 SMALL_BUCKETS = (4.0, 1.0)  # MiB: the default makes one or two buckets of this model
 
 
@@ -140,7 +147,9 @@ def _in_process(small: bool, device: str, clip: float | None, **options: Any) ->
 
 def _zero_offload(small: bool, device: str) -> tuple[Step, str]:
     """DeepSpeed's own CPU-offloaded AdamW on the same model, in this process (a world of
-    one, gloo): ``deepspeed.initialize`` with ZeRO stage 2 and ``offload_optimizer: cpu``."""
+    one, gloo): ``deepspeed.initialize`` with ZeRO stage 2, ``offload_optimizer: cpu`` and
+    ``gradient_clipping``, compared with ``OffloadAdam(max_grad_norm=...)``: both compute the
+    global norm, clip by it and skip a non-finite step."""
     import deepspeed
 
     from ._checkpoint_systems import init_single_process_group
@@ -151,6 +160,7 @@ def _zero_offload(small: bool, device: str) -> tuple[Step, str]:
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 1e-2}},
+        "gradient_clipping": CLIP,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     }
     engine, *_ = deepspeed.initialize(
@@ -195,9 +205,9 @@ async def _real_model_times(
         systems: dict[str, Step] = {
             FOREACH: _in_process(small, device, None, foreach=True),
             FUSED: _in_process(small, device, None, fused=True),
-            FUSED_CLIP: _in_process(small, device, 1.0, fused=True),
+            FUSED_CLIP: _in_process(small, device, CLIP, fused=True),
         }
-        for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, 1.0)):
+        for system, clip in ((OFFLOAD, None), (OFFLOAD_CLIP, CLIP)):
             systems[system], notes[system] = await _offloaded(stack, small, device, clip)
         for bucket_mb in SMALL_BUCKETS:
             system = offload_buckets(bucket_mb)
@@ -208,8 +218,9 @@ async def _real_model_times(
             systems[ZERO_OFFLOAD], notes[ZERO_OFFLOAD] = _zero_offload(small, device)
         except Exception as exc:  # noqa: BLE001 - a failure is reported, the rest is measured
             report.fail(SECTION, ZERO_OFFLOAD, exc)
-        times = await interleaved(systems, [0.0] * (reps + 2))
-        return {name: samples[2:] for name, samples in times.items()}  # two warm-up rounds
+        warm = 1 if reps == 1 else 2  # --smoke: one warm-up round, one measured
+        times = await interleaved(systems, [0.0] * (reps + warm))
+        return {name: samples[warm:] for name, samples in times.items()}
 
 
 def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
@@ -238,7 +249,7 @@ def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
         *((offload_buckets(mb), FUSED) for mb in SMALL_BUCKETS),
         (FUSED_CLIP, FUSED_CLIP),
         (OFFLOAD_CLIP, FUSED_CLIP),
-        (ZERO_OFFLOAD, FUSED),
+        (ZERO_OFFLOAD, FUSED_CLIP),
     ):
         figure = figures.get(system)
         if figure is None:
@@ -252,10 +263,10 @@ def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
         report.ratio(
             SECTION, f"{system} / {FOREACH} (real model)", figures.get(system), figures.get(FOREACH)
         )
-    report.ratio(
+    report.ratio(  # like for like: both clip by the global norm and skip a non-finite step
         SECTION,
-        f"{OFFLOAD} / {ZERO_OFFLOAD} (real model; < 1: OffloadAdam faster)",
-        figures.get(OFFLOAD),
+        f"{OFFLOAD_CLIP} / {ZERO_OFFLOAD} (real model, like for like; < 1: OffloadAdam faster)",
+        figures.get(OFFLOAD_CLIP),
         figures.get(ZERO_OFFLOAD),
     )
     report.tables.append(
@@ -266,7 +277,7 @@ def _real_model(report: Report, reps: int, small: bool, device: str) -> None:
 def run(report: Report, *, quick: bool, smoke: bool = False, device: str = "cpu") -> None:
     """A real model's step against in-process AdamW and ZeRO-Offload (on ``device``); a
     paced backward against the ideal (on the CPU)."""
-    reps = 3 if quick else 7
+    reps = 1 if smoke else 3 if quick else 7  # --smoke: every system steps once, measured
     threads = torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
@@ -274,8 +285,8 @@ def run(report: Report, *, quick: bool, smoke: bool = False, device: str = "cpu"
             report.skip(SECTION, "real model on the GPU", "no CUDA device")
         else:
             _real_model(report, reps, smoke, device)
-        paced(report, reps)
-        at_once(report, 3 * reps)
+        paced(report, reps, smoke=smoke)
+        at_once(report, 3 * reps, smoke=smoke)
     finally:
         torch.set_num_threads(threads)
         if affinity is not None:

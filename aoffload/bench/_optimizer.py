@@ -171,9 +171,9 @@ def _sync_pipeline(
 
 def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure the optimizer pipelines."""
-    reps = 3 if quick else 7
+    reps = 1 if smoke else 3 if quick else 7  # --smoke: every system steps once, measured
     shapes = (
-        ((16, 1 << 18),) if smoke else ((16, 1 << 20),) if quick else ((16, 1 << 20), (4, 10 << 20))
+        ((16, 1 << 14),) if smoke else ((16, 1 << 20),) if quick else ((16, 1 << 20), (4, 10 << 20))
     )
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:

@@ -53,8 +53,8 @@ def _memcpy(total: int, reps: int) -> list[float]:
 
 def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure ``state_dict()`` of ``count x numel`` sub-groups against a memcpy."""
-    count, numel = (4, 10 << 20) if not quick else (4, (10 << 20) // (64 if smoke else 4))
-    reps = 3 if quick else 5
+    count, numel = (4, 10 << 20) if not quick else (4, (10 << 20) // (640 if smoke else 4))
+    reps = 1 if smoke else 3 if quick else 5
     label = f"{count} x {numel / 2**20:g}Mi state_dict ({2 * count * numel * 4 / 2**20:.0f} MiB)"
     progress(f"optimizer state: {label}")
     baseline = report.add(

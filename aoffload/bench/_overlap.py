@@ -251,9 +251,9 @@ def _restoring(call: Callable[[], T]) -> T:
 
 def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure one training step's overlap of backward and optimizer, and overflow."""
-    reps = 3 if quick else 7
-    windows = 3 if quick else 5
-    groups = _subgroups(SUBGROUPS, NUMEL // 16 if smoke else NUMEL)
+    reps = 1 if smoke else 3 if quick else 7  # --smoke: every system once at every t_b
+    windows = 1 if smoke else 3 if quick else 5
+    groups = _subgroups(SUBGROUPS, NUMEL // 64 if smoke else NUMEL)
     sweep, full = _plan(reps, BACKWARDS, 0), _plan(reps, BACKWARDS, windows)
     overflow_only = _plan(0, (), windows)
     default, alternative, other_cores = _variants()

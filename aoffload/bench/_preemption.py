@@ -49,8 +49,9 @@ def _rank_main() -> None:  # the rank process: python -c "...; _rank_main()" ARG
     args = json.loads(sys.argv[1])
     rank, step_seconds = int(os.environ["RANK"]), float(args["step_seconds"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    count = max(1, int(args["mib"]) // 64)
-    state = {f"r{rank}.{i}": torch.empty(16 << 20).fill_(rank + i) for i in range(count)}
+    mib = int(args["mib"])
+    count, numel = max(1, mib // 64), min(mib, 64) << 18  # 64 MiB tensors, or one smaller
+    state = {f"r{rank}.{i}": torch.empty(numel).fill_(rank + i) for i in range(count)}
     one = torch.zeros(1)
     loop = new_event_loop()
 
@@ -58,7 +59,10 @@ def _rank_main() -> None:  # the rank process: python -c "...; _rank_main()" ARG
         directory = Path(args["root"]) / f"rep{n}"
         async with aoffload.CheckpointEngine(directory, distributed=True, keep_last=1) as engine:
             notice = engine.preemption()
-            costs = {"reached (2 ranks)": await _reached_cost(notice)} if n == 0 else {}
+            calls, batches = int(args["calls"]), int(args["batches"])
+            costs = (
+                {"reached (2 ranks)": await _reached_cost(notice, calls, batches)} if n == 0 else {}
+            )
             reference = []
             for tag in ("first", "periodic"):  # the first allocates the staging memory
                 dist.barrier()
@@ -68,7 +72,7 @@ def _rank_main() -> None:  # the rank process: python -c "...; _rank_main()" ARG
                 reference.append(time.monotonic() - started)
             dist.barrier()
             print(f"ready {n}", flush=True)
-            step = _BATCHES * _CALLS if n == 0 else 0  # past the steps the costs asked about
+            step = batches * calls if n == 0 else 0  # past the steps the costs asked about
             while True:
                 time.sleep(step_seconds)  # noqa: ASYNC251 - the step: the loop is blocked
                 dist.all_reduce(one)
@@ -81,7 +85,7 @@ def _rank_main() -> None:  # the rank process: python -c "...; _rank_main()" ARG
             await engine.commit(f"step-{step}")
             durable = time.monotonic()
             if n == 0:
-                costs.update(await _costs(engine))
+                costs.update(await _costs(engine, calls, batches))
         result = {"rep": n, "step": step, "reference": reference, "reached": reached}
         result.update(staged=staged, durable=durable)
         return {**result, "costs": costs} if costs else result
@@ -95,18 +99,18 @@ def _rank_main() -> None:  # the rank process: python -c "...; _rank_main()" ARG
         dist.destroy_process_group()
 
 
-async def _reached_cost(notice: Any) -> list[float]:
+async def _reached_cost(notice: Any, calls: int, batches: int) -> list[float]:
     """Seconds per ``reached()`` call without a notice, one sample per batch of calls."""
     samples = []
-    for batch in range(_BATCHES):
+    for batch in range(batches):
         started = time.perf_counter()
-        for step in range(batch * _CALLS, (batch + 1) * _CALLS):
+        for step in range(batch * calls, (batch + 1) * calls):
             await notice.reached(step)
-        samples.append((time.perf_counter() - started) / _CALLS)
+        samples.append((time.perf_counter() - started) / calls)
     return samples
 
 
-async def _costs(engine: Any) -> dict[str, list[float]]:
+async def _costs(engine: Any, calls: int, batches: int) -> dict[str, list[float]]:
     """Per-call seconds: reached() of a single-process notice; what a per-step agreement
     would cost instead (a store round trip, a one-number all_reduce)."""
     import torch
@@ -117,17 +121,17 @@ async def _costs(engine: Any) -> dict[str, list[float]]:
     costs: dict[str, list[float]] = {}
     directory = engine.directory.parent / f"alone-{dist.get_rank()}"
     async with aoffload.CheckpointEngine(directory) as alone:
-        costs["reached (one process)"] = await _reached_cost(alone.preemption())
+        costs["reached (one process)"] = await _reached_cost(alone.preemption(), calls, batches)
     # The engine's own store, on a connection of this benchmark's.
     store = engine._core.coordinator.rendezvous.connect()
     one = torch.zeros(1)
-    calls: list[tuple[str, Callable[[], object]]] = [
+    others: list[tuple[str, Callable[[], object]]] = [
         ("store round trip", lambda: store.check(["aoffload/bench/none"])),
         ("gloo all_reduce of one number", lambda: dist.all_reduce(one)),
     ]
-    for name, call in calls:
+    for name, call in others:
         costs[name] = []
-        for _ in range(_BATCHES):
+        for _ in range(batches):
             dist.barrier()
             started = time.perf_counter()
             for _ in range(100):
@@ -180,12 +184,19 @@ def run(
     report: Report, *, quick: bool, smoke: bool = False, size_gib: float, directory: Path | None
 ) -> None:
     """Measure on 2 gloo ranks of ``size_gib`` each and add the figures to ``report``."""
-    world, reps, step_seconds = 2, (2 if quick else 4), 0.25
-    mib = max(64, int(size_gib * 1024))
+    world, reps, step_seconds = 2, (1 if smoke else 2 if quick else 4), (0.05 if smoke else 0.25)
+    mib = max(1 if smoke else 64, int(size_gib * 1024))
     progress(f"preemption: {world} gloo ranks, {mib} MiB each, {reps} signals")
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-preemption-", dir=directory))
     rng = random.Random(0)
-    args = {"root": str(root), "mib": mib, "reps": reps, "step_seconds": step_seconds}
+    args = {
+        "root": str(root),
+        "mib": mib,
+        "reps": reps,
+        "step_seconds": step_seconds,
+        "calls": 1000 if smoke else _CALLS,
+        "batches": 1 if smoke else _BATCHES,
+    }
     ranks = _start_ranks(world, args)
     signalled: list[float] = []
     results: list[list[dict[str, Any]]] = []

@@ -94,7 +94,7 @@ async def _aoffload_starts(later: int, directory: str) -> dict[str, Any]:
     if importlib.util.find_spec("deepspeed") is not None:
         deepspeed = [
             await _timed_start(aoffload.CPUAdam([{"lr": 0.1}], backend="deepspeed"))
-            for _ in range(2)
+            for _ in range(min(2, later))
         ]
     return {
         "first": first,
@@ -135,7 +135,7 @@ def _python(code: str) -> str:
 
 def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     """Measure first and later worker starts, each beside ``import torch`` in this run."""
-    probes, later = (3, 1) if smoke else (3, 5) if quick else (7, 10)
+    probes, later = (1, 1) if smoke else (3, 5) if quick else (7, 10)
     torch_import: list[float] = []
     samples: list[dict[str, Any]] = []
     for i in range(probes):

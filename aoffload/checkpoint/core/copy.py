@@ -1,9 +1,9 @@
 """The staging copy: a pool of threads sized to the cores, copying in chunks without the GIL.
 
 One copy job takes a :class:`~.plan.Plan` into its staging :class:`~.staging.Region`. The
-first pool thread to take the job cuts it into pieces: the skeleton's chunks and each
-contiguous CPU tensor in :data:`CHUNK`-byte ``memmove`` calls, which release the GIL; a
-non-contiguous tensor is one ``copy_``; the CUDA tensors are one piece that queues their
+first pool thread to take the job cuts it into pieces: the pickle's chunks, its large
+``bytes`` values and each whole CPU storage in :data:`CHUNK`-byte ``memmove`` calls, which
+release the GIL; the CUDA storages are one piece that queues their
 device-to-host copies on a side stream per device into the pinned segment, ordered after
 the events :func:`stage_events` recorded on the caller's current streams when ``stage()``
 was called. Every thread of the pool then takes pieces until none is left; the last one
@@ -75,7 +75,7 @@ class _Job:
         self.future: concurrent.futures.Future[float] = concurrent.futures.Future()
         self._region, self._plan, self._events, self._name = region, plan, events, name
         self._pieces: list[Callable[[], object]] = []
-        self._keep: list[np.ndarray] = []  # the skeleton's buffers, alive until copied
+        self._keep: list[np.ndarray] = []  # the pickle's buffers, alive until copied
         self._next = itertools.count()  # atomic under the GIL: each piece is taken once
         self._lock = threading.Lock()
         self._active = 0
@@ -113,14 +113,20 @@ class _Job:
         array = self._region.segment.array
         if array is None:
             raise ClosedError("the checkpoint engine's staging memory was released")
-        position = array.data_ptr() + self._region.offset
-        for chunk in self._plan.skeleton:
-            buffer = np.frombuffer(chunk, dtype=np.uint8)
+        base = array.data_ptr() + self._region.offset
+        position = base
+        for piece in self._plan.pickle:
+            buffer = np.frombuffer(piece, dtype=np.uint8)
             self._keep.append(buffer)
             self._pieces += _pieces(position, buffer.ctypes.data, buffer.size)
             position += buffer.size
+        for (_, value), offset in zip(self._plan.blobs, self._plan.blob_offsets, strict=True):
+            buffer = np.frombuffer(value, dtype=np.uint8)
+            self._keep.append(buffer)
+            self._pieces += _pieces(base + offset, buffer.ctypes.data, buffer.size)
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for source, offset in zip(self._plan.storages, self._plan.offsets, strict=True):
+        plan = self._plan
+        for source, offset in zip(plan.storages, plan.storage_offsets, strict=True):
             nbytes = source.numel()  # a flat uint8 tensor over a whole storage
             if nbytes == 0:
                 continue

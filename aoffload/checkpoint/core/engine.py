@@ -14,7 +14,7 @@ the caller's         ``stage()``: validation, version counters, the job handed o
                      ``commit()``: which tag, its future, the commit handed over
 stage thread         plan, wait for a staging slot, reserve space (:mod:`.pipeline`)
 copy pool            the GIL-free copy, the version check, the hand-off to the writer
-writer process       ``torch.save`` into ``O_DIRECT`` files, fsync (``writer/``)
+writer process       ``torch.save``'s archives into ``O_DIRECT`` files, fsync (``writer/``)
 commit thread        one commit at a time, in request order, through the coordinator:
                      wait for the writes, fsync, publish, ``latest``, retention
                      (:mod:`.commit`, :mod:`.catalog`), with every rank (``ranks/``)

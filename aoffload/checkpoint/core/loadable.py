@@ -5,15 +5,14 @@ the globals torch allows (its tensors, dtypes, ``OrderedDict``, ``set``, ...) an
 user allowed with ``torch.serialization.add_safe_globals``. A state holding anything else
 (``np.random.get_state()``, a ``collections.deque``, a dataclass) saves and commits fine,
 then fails to load. The planner's pickler (:mod:`.plan`) finds such a value as it pickles
-the skeleton, through ``reducer_override``: CPython's pickler calls it for every class and
-function it is about to pickle by name, and never for the values it has a fast path for
-(dicts, lists, tuples, str, int, float, bytes, None) nor for tensors (the persistent id
-takes them first). A state dict of tensors therefore costs one call per distinct class
-(an ``OrderedDict``'s), or none. The error path alone (:func:`locate`) walks the state to
-name the key.
-
-Known gap: a ``frozenset`` is pickled by its own opcode here but by name
-(``builtins.frozenset``, refused) by ``torch.save``; it is not flagged.
+the state, through ``reducer_override``: CPython's pickler calls it for every class and
+function it is about to pickle by name (once: the pickle memoizes it), and never for the
+values it has a fast path for (dicts, lists, tuples, str, int, float, bytes, None). The
+instances it meets once per tensor (the tensor, its empty hooks ``OrderedDict``) are never
+refused and not asked about, so a state dict of tensors costs a few lookups whatever its
+size. The error path alone (:func:`locate`) walks the state to name the key; it pickles
+with ``torch.save``'s protocol (2), as the planner does, so what it finds (a ``frozenset``,
+pickled by name there) is what the load refuses.
 """
 
 from __future__ import annotations
@@ -95,16 +94,21 @@ class _Sink:
         return len(data)
 
 
+_SKIPPED = frozenset({bytes, str})
+
+
 class _Checker(pickle.Pickler):
     """Pickles one value into nothing, noting the first global the default load refuses."""
 
     def __init__(self, allowed: Allowed) -> None:
-        super().__init__(_Sink(), protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(_Sink(), protocol=torch.serialization.DEFAULT_PROTOCOL)
         self.allowed = allowed
         self.refused: str | None = None
 
     def persistent_id(self, obj: Any) -> int | None:
-        return 0 if isinstance(obj, torch.Tensor) else None
+        # what names no global is skipped: a tensor, and the bytes and str whose encoding
+        # (a large bytes value's protocol-2 UTF-8) would hold the GIL for nothing
+        return 0 if type(obj) in _SKIPPED or isinstance(obj, torch.Tensor) else None
 
     def reducer_override(self, obj: Any) -> Any:
         if self.refused is None:

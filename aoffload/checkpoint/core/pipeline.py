@@ -5,8 +5,8 @@ before it returns (each tensor's version counter, an event on each CUDA device's
 stream, a hold on memory a worker writes in place: :mod:`aoffload._runtime.gate`, released
 when the copy ends) and hands one job to the pipeline's *stage thread*, which, in ``stage()`` order:
 
-1. plans the state (:func:`.plan.plan`: the pickled skeleton, the tensors' layout,
-   and a value the default load could not read back: an error with
+1. plans the state (:func:`.plan.plan`: ``torch.save``'s pickle, its storages and their
+   layout, and a value the default load could not read back: an error with
    ``unloadable="error"``, else a warning at the fence);
 2. waits for its tag's staging slot (:meth:`.tags.Tags.wait_slot`: backpressure), and
    reserves a region of it; a new shared-memory segment is mapped by the writer at once
@@ -14,7 +14,7 @@ when the copy ends) and hands one job to the pipeline's *stage thread*, which, i
 3. hands the copy to the :class:`~.copy.CopyPool`, whose threads copy in GIL-free chunks
    and check every tensor's version counter against the one recorded at ``stage()``;
 
-and the last copy thread out hands the file to the writer (one :class:`WriteFile` call
+and the last copy thread out hands the file to the writer (one :class:`WriteRecords` call
 through the thread-safe :class:`~aoffload._runtime.core.WorkerCore`) and resolves the
 job's ``staged`` future. No step waits for the event loop: after a step that blocks the
 loop longer than the copy, ``await staged`` finds it done.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..._errors import CheckpointError, InvalidStateError
 from ..._runtime.gate import GATE
 from ..._runtime.threads import DaemonThreadExecutor
-from ..writer.calls import FileRecord, MapSegment, TensorRecord, WriteFile
+from ..writer.calls import Blob, FileRecord, MapSegment, Span, TorchRecord, WriteRecords
 from .copy import CopyPool, stage_events
 from .plan import cpu_storages, plan, restructured, versions
 
@@ -133,26 +133,22 @@ class Pipeline:
         try:
             seconds = copy.result()
             self._tags.add_seconds(job.open_tag, seconds)
-            records = tuple(
-                TensorRecord(
-                    region.offset + planned.offsets[view.storage],
-                    planned.storages[view.storage].numel(),
-                    view.dtype,
-                    view.shape,
-                    view.requires_grad,
-                    view.stride,
-                    view.storage_offset,
-                    view.parameter,
-                )
-                for view in planned.views
+            segment, base = region.segment.path, region.offset
+            record = TorchRecord(
+                Span(segment, base, planned.pickle_nbytes),
+                tuple(
+                    Span(segment, base + offset, storage.numel())
+                    for storage, offset in zip(
+                        planned.storages, planned.storage_offsets, strict=True
+                    )
+                ),
+                tuple(
+                    Blob(at, Span(segment, base + offset, len(value)))
+                    for (at, value), offset in zip(planned.blobs, planned.blob_offsets, strict=True)
+                ),
             )
-            message = WriteFile(
-                str(job.open_tag.tmpdir / job.name),
-                region.segment.path,
-                region.offset,
-                planned.skeleton_nbytes,
-                records,
-                root=str(self._tags.directory),
+            message = WriteRecords(
+                str(job.open_tag.tmpdir / job.name), (record,), root=str(self._tags.directory)
             )
 
             def written(record: Any, error: BaseException | None) -> None:

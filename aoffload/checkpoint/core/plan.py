@@ -1,28 +1,30 @@
-"""Turning a state into what the writer needs: a pickled skeleton, a tensor list, a copy.
+"""Turning a state into what the writer needs: ``torch.save``'s pickle, its storages, a layout.
 
 Pure functions. :func:`plan` runs on the engine's stage thread, never on the event loop,
 since the pickling grows with the state:
 
-* :func:`plan` pickles the state with every tensor replaced by a persistent id (the
-  skeleton) and lays the skeleton and the tensors out, aligned, in one staging region.
-  Large payloads of the skeleton (a 64 MB ``bytes`` value) are kept by reference, not
-  copied: the pickler hands them to :class:`_Chunks` as they are;
+* :func:`plan` pickles the state as ``torch.save`` does (:mod:`.pickler`: protocol 2, a
+  persistent id per storage) and lays the pickle, its large ``bytes`` values and the
+  storages out, aligned, in one staging region. Large payloads of the pickle (a big
+  ``str``) are kept by reference, not copied: the pickler hands them to :class:`_Chunks`
+  as they are; large ``bytes`` values are cut out of it, staged raw, and encoded by the
+  writer (:meth:`.pickler.TorchPickler.pieces`);
 * each tensor's version counter is recorded by :func:`versions` when ``stage()`` is called,
   on the caller's thread, before it returns (a walk of the state's dicts, lists and tuples:
   O(entries), nothing that grows with the bytes); :mod:`.copy` compares it after the copy,
   and :func:`key_of` names the key of a tensor that moved (the slow, error-only path). A
   tensor the walk cannot reach (inside another object) has its version read when the
-  planner meets it;
+  pickler meets it;
 * with ``check``, the pickler also notes a value that ``torch.load(weights_only=True)``
-  could not read back (:mod:`.loadable`), at no cost for a state dict of tensors.
+  could not read back (:mod:`.loadable`), at a dictionary lookup per class met.
 
 The copy itself is :mod:`.copy`'s, so nothing that grows with the state crosses the pipe.
 """
 
 from __future__ import annotations
 
+import collections
 import io
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +32,13 @@ import torch
 
 from ..._errors import InvalidStateError
 from .loadable import Allowed, message, refused
+from .pickler import TorchPickler, version_of
 
 __all__ = [
     "ALIGN",
     "Plan",
     "Structure",
     "Versions",
-    "View",
     "aligned",
     "cpu_storages",
     "key_of",
@@ -49,28 +51,11 @@ __all__ = [
 ALIGN = 64
 """Byte alignment of every tensor inside a staging region (fits every dtype and AVX-512)."""
 _BY_REFERENCE = 1 << 16  # bytes: CPython's pickler hands payloads this large to write() as is
-_UNRECORDED: Any = object()
 
 
 def aligned(nbytes: int, to: int = ALIGN) -> int:
     """``nbytes`` rounded up to a multiple of ``to``."""
     return (nbytes + to - 1) // to * to
-
-
-def _tensor_problem(tensor: torch.Tensor) -> str | None:
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return f"tensor subclass {type(tensor).__qualname__} is not supported"
-    if tensor.layout is not torch.strided or tensor.is_nested:
-        return f"tensors with layout {tensor.layout} are not supported (only dense tensors)"
-    if tensor.is_quantized:
-        return "quantized tensors are not supported"
-    if tensor.device.type not in ("cpu", "cuda"):
-        return f"tensors on device {tensor.device} are not supported (only cpu and cuda)"
-    return None
-
-
-class _Unsupported(Exception):
-    pass
 
 
 class _Chunks:
@@ -167,33 +152,13 @@ def restructured(structure: Structure, state: object) -> str | None:
     return None
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles the skeleton of a state; every tensor becomes a persistent id."""
-
-    def __init__(self, file: io.BytesIO | _Chunks, recorded: Versions | None = None) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self.versions: list[int | None] = []
-        self._ids: dict[int, int] = {}
-        self._recorded = recorded or {}
-
-    def persistent_id(self, obj: Any) -> int | None:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        index = self._ids.get(id(obj))
-        if index is None:
-            problem = _tensor_problem(obj)
-            if problem is not None:
-                raise _Unsupported(problem)
-            index = self._ids[id(obj)] = len(self.tensors)
-            self.tensors.append(obj)
-            recorded = self._recorded.get(id(obj), _UNRECORDED)
-            self.versions.append(version_of(obj) if recorded is _UNRECORDED else recorded)
-        return index
+_NEVER_REFUSED = frozenset({torch.Tensor, torch.nn.Parameter, collections.OrderedDict})
+"""Instances met once per tensor, which :func:`.loadable.refused` never refuses."""
 
 
-class _CheckingPickler(_Pickler):
-    """:class:`_Pickler` that also notes the first global the default load refuses."""
+class _CheckingPickler(TorchPickler):
+    """:class:`.pickler.TorchPickler` that also notes the first global the default load
+    refuses."""
 
     def __init__(self, file: _Chunks, recorded: Versions | None = None) -> None:
         super().__init__(file, recorded)
@@ -201,9 +166,9 @@ class _CheckingPickler(_Pickler):
         self.refused: str | None = None
 
     def reducer_override(self, obj: Any) -> Any:
-        if self.refused is None:
+        if self.refused is None and type(obj) not in _NEVER_REFUSED:
             self.refused = refused(obj, self.allowed)
-        return NotImplemented
+        return super().reducer_override(obj)
 
 
 def cpu_storages(state: object) -> set[int]:
@@ -227,14 +192,6 @@ def cpu_storages(state: object) -> set[int]:
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
     return found
-
-
-def version_of(tensor: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter, or ``None`` where it keeps none (inference mode)."""
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return None
 
 
 def key_of(value: object, target: object, key: str = "state") -> str | None:
@@ -268,79 +225,42 @@ def _locate(value: object, key: str) -> tuple[str, str] | None:
                 return found
         return None
     try:
-        _Pickler(io.BytesIO()).dump(value)
+        TorchPickler(io.BytesIO()).dump(value)
     except Exception as exc:  # noqa: BLE001 - reported to the caller with its key
         return key, f"{type(exc).__name__}: {exc}"
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class View:
-    """How one tensor of the state lies in its storage (``storage``: an index into
-    :attr:`Plan.storages`), and what it is (``parameter``: an ``nn.Parameter``)."""
-
-    storage: int
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    parameter: bool
-
-
-def _storages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[View]]:
-    """Each distinct storage of ``tensors`` once, as a flat ``uint8`` tensor over all of
-    it, and each tensor's :class:`View` of it: tensors that share a storage (views of one
-    tensor) are staged once and share it again when loaded, as with ``torch.save``."""
-    storages: list[torch.Tensor] = []
-    index: dict[object, int] = {}
-    views: list[View] = []
-    for tensor in tensors:
-        source = tensor.detach()
-        if source.is_conj() or source.is_neg():  # bits of the tensor, not of its storage
-            source = source.resolve_conj().resolve_neg()
-        storage = source.untyped_storage()
-        key: object = storage._cdata if storage.nbytes() else ("empty", len(views))
-        if key not in index:
-            index[key] = len(storages)
-            whole = torch.empty((0,), dtype=torch.uint8, device=source.device)
-            storages.append(whole.set_(storage))
-        views.append(
-            View(
-                index[key],
-                int(source.storage_offset()),
-                tuple(source.shape),
-                tuple(source.stride()),
-                source.dtype,
-                tensor.requires_grad,
-                isinstance(tensor, torch.nn.Parameter),
-            )
-        )
-    return storages, views
+def _flat(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat ``uint8`` tensor over all of ``storage`` (on its device), for the copy."""
+    return torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A state ready to stage: its skeleton and tensors, and where each goes in the region.
+    """A state ready to stage: its pickle, blobs and storages, and where each goes.
 
-    The skeleton lies at offset 0 of the region, ``skeleton_nbytes`` long; storage ``i``
-    (a flat ``uint8`` tensor over all of it) at ``offsets[i]``; tensor ``i`` is
-    ``views[i]`` of its storage, with version counter ``versions[i]`` as recorded;
-    ``nbytes`` is the whole region's size. ``state`` is kept to name a key on the error path only.
-    ``unloadable`` says why ``torch.load(weights_only=True)`` would not read the file
-    back (``None``: it would, or nobody checked).
+    The pickle (``torch.save``'s ``data.pkl`` with the blobs cut out) lies at offset 0 of
+    the region, ``pickle_nbytes`` long; blob ``i`` (a large ``bytes`` value the writer
+    encodes into the pickle at ``blobs[i][0]``) at ``blob_offsets[i]``; storage ``i`` (a
+    flat ``uint8`` tensor over all of it, ``data/<i>`` of the archive) at
+    ``storage_offsets[i]``; ``nbytes`` is the whole region's size. Tensor ``i`` of the
+    state had version counter ``versions[i]`` when recorded. ``state`` is kept to name a
+    key on the error path only. ``unloadable`` says why ``torch.load(weights_only=True)``
+    would not read the file back (``None``: it would, or nobody checked).
     """
 
-    skeleton: tuple[bytes | memoryview, ...]
-    skeleton_nbytes: int
-    tensors: tuple[torch.Tensor, ...]
-    offsets: tuple[int, ...]
+    pickle: tuple[bytes | memoryview, ...]
+    pickle_nbytes: int
+    blobs: tuple[tuple[int, bytes], ...]
+    blob_offsets: tuple[int, ...]
+    storages: tuple[torch.Tensor, ...]
+    storage_offsets: tuple[int, ...]
     nbytes: int
+    tensors: tuple[torch.Tensor, ...]
     versions: tuple[int | None, ...]
     state: object
     unloadable: str | None = None
-    storages: tuple[torch.Tensor, ...] = ()
-    views: tuple[View, ...] = ()
 
     def modified(self) -> tuple[str, int | None, int | None] | None:
         """The first tensor whose version counter moved since it was recorded: its key,
@@ -354,37 +274,43 @@ class Plan:
 
 
 def plan(state: object, name: str, recorded: Versions | None = None, check: bool = False) -> Plan:
-    """Pickle the skeleton of ``state`` and lay out its tensors; bad input names its key.
+    """Pickle ``state`` as ``torch.save`` does and lay it out; bad input names its key.
 
     ``recorded`` holds the version counters :func:`versions` read at ``stage()``;
     ``check`` looks for values the default load could not read back.
     """
     chunks = _Chunks()
-    pickler = _CheckingPickler(chunks, recorded) if check else _Pickler(chunks, recorded)
+    pickler = _CheckingPickler(chunks, recorded) if check else TorchPickler(chunks, recorded)
     try:
         pickler.dump(state)
+        pieces, blobs = pickler.pieces(chunks.close())
     except Exception as exc:
         found = _locate(state, "state")
         where, why = found if found is not None else ("state", f"{type(exc).__name__}: {exc}")
         raise InvalidStateError(f"cannot save {name!r}: {where}: {why}") from exc
-    skeleton = chunks.close()
     unloadable = None
     if isinstance(pickler, _CheckingPickler) and pickler.refused is not None:
         unloadable = message(name, state, pickler.refused, pickler.allowed)
-    storages, views = _storages(pickler.tensors)
-    offsets, total = [], aligned(chunks.nbytes)
+    pickle_nbytes = sum(len(piece) for piece in pieces)
+    total = aligned(pickle_nbytes)
+    blob_offsets, storage_offsets = [], []
+    for _, value in blobs:
+        blob_offsets.append(total)
+        total += aligned(len(value))
+    storages = tuple(_flat(storage) for storage in pickler.storages)
     for storage in storages:
-        offsets.append(total)
+        storage_offsets.append(total)
         total += aligned(storage.numel())
     return Plan(
-        skeleton,
-        chunks.nbytes,
-        tuple(pickler.tensors),
-        tuple(offsets),
+        tuple(pieces),
+        pickle_nbytes,
+        tuple(blobs),
+        tuple(blob_offsets),
+        storages,
+        tuple(storage_offsets),
         total,
+        tuple(pickler.tensors),
         tuple(pickler.versions),
         state,
         unloadable,
-        tuple(storages),
-        tuple(views),
     )

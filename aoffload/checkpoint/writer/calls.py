@@ -1,8 +1,8 @@
 """The writer's calls: what the trainer asks of its writer process, and the answers.
 
 Pure data, imported by both sides (the trainer's pipeline and commit, and the writer's
-service). Tensors never cross the pipe: a :class:`WriteFile` names where they lie in a
-staging segment both processes map.
+service); no torch. Tensors never cross the pipe: a :class:`WriteRecords` names where
+their bytes lie in the staging segments both processes map (:class:`Span`).
 """
 
 from __future__ import annotations
@@ -10,23 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..._runtime.protocol import Call
+from ..._runtime.protocol import Call, Wire
 
 TARGET = "aoffload.checkpoint.writer.service:WriterService"
 """The name a bridge spawns the writer by (a name: importing the calls imports no service)."""
 
 __all__ = [
     "TARGET",
+    "Blob",
+    "Data",
     "FileRecord",
     "LoadFile",
     "LoadedFile",
     "MapSegment",
+    "RawRecord",
+    "Record",
+    "Span",
     "SyncTree",
-    "TensorRecord",
+    "TorchRecord",
     "WatchRank",
-    "WriteFile",
+    "WriteRecords",
     "WriterConfig",
 ]
 
@@ -48,49 +51,89 @@ class MapSegment(Call[None]):
 
 
 @dataclass(frozen=True, slots=True)
-class TensorRecord:
-    """One tensor: a view (``storage_offset``, ``shape``, ``stride``, in elements of
-    ``dtype``) of the storage staged at ``offset`` (``nbytes`` long) of a segment. Tensors
-    that shared a storage name the same ``offset`` and share it again, as ``torch.save``
-    keeps them; ``parameter`` restores an ``nn.Parameter``."""
+class Span(Wire):
+    """``nbytes`` bytes at ``offset`` of the staging segment at ``segment`` (its path, as
+    in the :class:`MapSegment` that mapped it)."""
 
+    segment: str
     offset: int
     nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    requires_grad: bool
-    stride: tuple[int, ...] | None = None
-    storage_offset: int = 0
-    parameter: bool = False
+
+
+Data = Span | bytes
+"""A record's bytes: a span of staging memory, or bytes carried in the call (small ones)."""
 
 
 @dataclass(frozen=True, slots=True)
-class FileRecord:
-    """A written (and, if durable, fsynced) file: its size, xxh3-64 and write time."""
+class Blob(Wire):
+    """A ``bytes`` value of the state that the writer encodes into a pickle.
+
+    ``data`` is the value itself; it goes at offset ``at`` of the record's pickle
+    (counted in the pickle as sent), encoded as ``torch.save`` (pickle protocol 2) encodes
+    a ``bytes`` value: ``_codecs.encode(<its latin-1 text>, "latin1")``.
+    """
+
+    at: int
+    data: Data
+
+
+@dataclass(frozen=True, slots=True)
+class TorchRecord(Wire):
+    """One ``torch.save`` archive: its pickle and its storages, written as ``torch.save``
+    writes them (``writer/archive.py``), so that ``torch.load`` reads it.
+
+    ``pickle`` is ``data.pkl``: the state pickled with protocol 2 and a persistent id
+    ``("storage", <storage type>, "<i>", <location>, <numel>)`` for storage ``i``, whose
+    bytes are ``storages[i]`` (``archive/data/<i>``). ``blobs`` are inserted into the
+    pickle (in order of ``at``). The trainer's side makes all of it
+    (``core/pickler.py``); the writer loads none of it.
+    """
+
+    pickle: Data
+    storages: tuple[Data, ...] = ()
+    blobs: tuple[Blob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord(Wire):
+    """Bytes written as they are (a DCP data file's non-tensor item)."""
+
+    data: Data
+
+
+Record = TorchRecord | RawRecord
+"""One record of a file."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord(Wire):
+    """A written (and, if durable, fsynced) file: its size, xxh3-64 and write time, and
+    where each of its records lies in it (``spans``: ``(offset, length)``, in order)."""
 
     path: str
     nbytes: int
     xxh3_64: str
     seconds: float
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class WriteFile(Call[FileRecord]):
-    """Write ``path`` from the skeleton and the tensors staged in ``segment``.
+class WriteRecords(Call[FileRecord]):
+    """Write the file ``path`` as ``records``, one after the other; fsync it if durable.
 
-    The skeleton (the state pickled with a persistent id per tensor) lies at
-    ``skeleton_offset``, ``skeleton_nbytes`` long: it holds every non-tensor value of
-    the state, so it can be large, and like the tensors it travels through staging
-    memory, never through the pipe. ``root`` is the checkpoint directory: ``path`` lies
-    below it and is opened without following a link below it.
+    The writer's one call for a file: an engine's file is one :class:`TorchRecord` (a
+    plain ``torch.save`` file); a DCP data file is a sequence of them and of
+    :class:`RawRecord` s. The bytes come from staging memory (or the call) and go to the
+    file through the sink: hashed (xxh3-64 of the whole file) and written as they pass,
+    with ``O_DIRECT`` where the filesystem supports it, never read back; nothing is
+    unpickled. ``root`` is the checkpoint directory: ``path`` lies below it and is
+    opened without following a link below it. The answer says where each record landed.
     """
 
     path: str
-    segment: str
-    skeleton_offset: int
-    skeleton_nbytes: int
-    tensors: tuple[TensorRecord, ...]
+    records: tuple[Record, ...]
     root: str = ""
+    plain = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The writer's file sink: everything ``torch.save`` writes is hashed and written in large
+"""The writer's file sink: everything a file's records hold is hashed and written in large
 aligned blocks, with ``O_DIRECT`` where the filesystem supports it, double-buffered so that
 copying and hashing overlap the disk."""
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
-from ..._runtime.threads import running_future
+from ..._runtime.threads import running_future, start_thread
 from .._results import Outcomes
 from .._waits import LoopWaits
 from ._step import OUTCOMES
@@ -56,7 +55,8 @@ def _later(outcomes: Outcomes, flow: _Flow[T], need: object) -> concurrent.futur
         except BaseException as exc:  # noqa: BLE001 - raised by whoever waits for it next
             done.set_exception(exc)
 
-    threading.Thread(target=finish, name="aoffload-offload-adam-step", daemon=True).start()
+    # handed to a starter thread: the caller (astep() on an event loop) never waits for it to run
+    start_thread(finish, name="aoffload-offload-adam-step", failed=done.set_exception)
     return done
 
 
