@@ -35,10 +35,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..._errors import CheckpointError, ClosedError, InvalidStateError, first_line
+from ..._errors import ClosedError, InvalidStateError, first_line
 from ..._runtime.threads import DaemonThreadExecutor, Handoff, running_future
 from ..format import layout, read, shm, write
 from ..format import metadata as _metadata
+from . import closing
 from .load import MapLocation, load_from
 from .pipeline import Pipeline
 from .result import CommitResult
@@ -348,51 +349,18 @@ class EngineCore:
             return
         self._closed, self._running = True, False
         open_tags = self.tags.close()
-        late: set[concurrent.futures.Future[Any]] = set()
+        late: closing.Late = set()
         try:
-            commits = [t.commit for t in open_tags if t.commit is not None]
-            _, late = concurrent.futures.wait(commits, timeout=self._commit_timeout)
-            for future in late:  # its failure (the writer stops under it) is this one's
-                self.tags.commit_seen(future)
-            if late:
-                logger.warning(
-                    "closing with the commit of %s still running after commit_timeout=%s s; "
-                    "it is abandoned (latest is left as it is)",
-                    ", ".join(repr(t.tag) for t in open_tags if t.commit in late),
-                    self._commit_timeout,
-                )
+            late = closing.wait_commits(open_tags, self.tags, self._commit_timeout)
             if self._pipeline is not None:
                 self._pipeline.close()  # no copy touches staging memory after this
-            for open_tag in open_tags:
-                if open_tag.commit is None and open_tag.files:
-                    logger.warning(
-                        "checkpoint %r was saved but never committed; discarded (commit it, "
-                        "or commit_soon() it, before the engine closes)",
-                        open_tag.tag,
-                    )
+            closing.say_discarded(open_tags)
         finally:
-            self._release(open_tags, self._unfinished(open_tags, late))
+            self._release(open_tags, closing.unfinished(open_tags, late, self._failure))
         self.tags.raise_background()
-        if late:
-            abandoned = [t.tag for t in open_tags if t.commit in late]
-            raise CheckpointError(
-                f"checkpoint(s) {abandoned} were not committed within commit_timeout="
-                f"{self._commit_timeout} s and were abandoned; {layout.LATEST!r} still names "
-                f"{self.catalog.latest!r}. Raise commit_timeout if the storage is that slow"
-            )
-
-    def _unfinished(
-        self, open_tags: list[OpenTag], late: set[concurrent.futures.Future[Any]]
-    ) -> str | None:
-        """Why this rank leaves work undone (for the peers), or ``None``."""
-        saved = [t.tag for t in open_tags if t.commit is None and t.files]
-        if self._failure is not None:
-            return self._failure
-        if saved:
-            return f"checkpoint(s) {saved} saved but never committed"
-        if late:
-            return f"{len(late)} commit(s) still running after commit_timeout"
-        return None
+        error = closing.abandoned(open_tags, late, self._commit_timeout, self.catalog.latest)
+        if error is not None:
+            raise error
 
     def _release(self, open_tags: list[OpenTag], unfinished: str | None) -> None:
         """In this order: the tier (the uploads in flight, bounded by upload_timeout), the
