@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ... import _paths
 from ..._errors import CheckpointError, CorruptCheckpointError
 from . import layout, read, write
 from . import lock as _lock
-from . import paths as _paths
 from . import shm as _shm
 
 __all__ = [

@@ -75,6 +75,12 @@ class UploaderConfig:
     concurrency: int = 8
     backoff: float = BACKOFF[0]
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.backoff <= BACKOFF[1]:
+            raise ValueError(
+                f"upload_backoff must be between 0 and {BACKOFF[1]:g} seconds, not {self.backoff!r}"
+            )
+
     def __repr__(self) -> str:  # never the options: they may hold credentials
         hidden = f"<{len(self.storage_options)} hidden>"
         return f"UploaderConfig(url={redact_url(self.url)!r}, storage_options={hidden})"
