@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -27,7 +28,8 @@ EXIT_DAMAGED = 1
 """``verify``: a file is corrupt or missing, or a manifest is unreadable; ``inspect``: a
 file does not match its manifest or could not be loaded, or the manifest is unreadable."""
 EXIT_USAGE = 2
-"""Bad arguments, no such directory, not a checkpoint directory, or no such tag."""
+"""Bad arguments, no such directory, not a checkpoint directory, no such tag, or a remote
+tier that cannot be reached or holds no published checkpoint."""
 EXIT_BUSY = 3
 """``clean``: a live engine holds the directory; nothing was removed."""
 
@@ -39,7 +41,8 @@ exit codes:
   {EXIT_OK}  success (verify: every file matches its manifest)
   {EXIT_DAMAGED}  verify: a file is corrupt or missing or a manifest unreadable;
      inspect: a file is corrupt or could not be loaded, or the manifest is unreadable
-  {EXIT_USAGE}  bad arguments, no such directory or tag, not a checkpoint directory
+  {EXIT_USAGE}  bad arguments, no such directory or tag, not a checkpoint directory,
+     a remote tier that cannot be reached or holds no published checkpoint
   {EXIT_BUSY}  clean: a live engine holds the directory (DIR/.aoffload.lock); nothing removed
 """
 
@@ -85,17 +88,23 @@ def _age(seconds: float | None) -> str:
 # -- commands ------------------------------------------------------------------------------
 
 
-def _source(location: str) -> tuple[Any, Any]:
-    """What reads ``location`` and how it is named: a remote tier's URL, or a directory."""
+async def _source(location: str, out: TextIO) -> tuple[Any, Any]:
+    """What reads ``location`` and how it is named: a remote tier's URL, or a checkpoint
+    directory (:func:`~.checkpoint.format.inspect.locate`: a Lightning folder's is the
+    ``.aoffload/`` inside it, which is said). Raises :class:`CheckpointError` for a
+    directory that is not a checkpoint directory."""
     if "://" in location:
         from .checkpoint.remote import inspect as _remote_inspect
 
         return _remote_inspect, location
-    return _inspect, Path(location)
+    directory, nested = await asyncio.to_thread(_inspect.locate, Path(location))
+    if nested:
+        _say(out, f"{location}: checkpoints of aoffload's Lightning plugin, kept in {directory}")
+    return _inspect, directory
 
 
 async def _ls(args: argparse.Namespace, out: TextIO) -> int:
-    reader, directory = _source(args.directory)
+    reader, directory = await _source(args.directory, out)
     infos, latest = await reader.list_tags(directory)
     if not infos:
         _say(out, f"{directory}: no committed checkpoints")
@@ -137,7 +146,7 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 async def _verify(args: argparse.Namespace, out: TextIO) -> int:
-    reader, directory = _source(args.directory)
+    reader, directory = await _source(args.directory, out)
     infos = await reader.resolve_tags(directory, args.tag, args.all)
     bar = _progress_bar(sum(info.bytes for info in infos), args.progress)
     try:
@@ -160,7 +169,7 @@ async def _verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
-    reader, directory = _source(args.directory)
+    reader, directory = await _source(args.directory, out)
     [info] = await reader.resolve_tags(directory, args.tag, False)
     if info.error is not None:
         _say(out, f"{info.tag}: {info.error}")
@@ -190,7 +199,7 @@ async def _inspect_cmd(args: argparse.Namespace, out: TextIO) -> int:
 async def _clean(args: argparse.Namespace, out: TextIO) -> int:
     if "://" in args.directory:
         raise CheckpointError("clean works on a local directory, not on a remote tier's URL")
-    directory = Path(args.directory)
+    _, directory = await _source(args.directory, out)
     removed = await asyncio.to_thread(_inspect.clean, directory, dry_run=args.dry_run)
     if removed is None:
         _say(
@@ -205,6 +214,45 @@ async def _clean(args: argparse.Namespace, out: TextIO) -> int:
     total = sum(size for _, size in removed)
     _say(out, f"{verb} {_count(len(removed), 'leftover')}, {_size(total)}")
     return EXIT_OK
+
+
+def _local_s3(args: argparse.Namespace, out: TextIO) -> int:
+    """Serve moto's S3 server on loopback until Ctrl-C (or SIGTERM); say how to reach it."""
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
+        _say(
+            sys.stderr,
+            "aoffload: local-s3 needs moto's server and s3fs: pip install 'moto[server]' s3fs",
+        )
+        return EXIT_USAGE
+    from ._moto import S3Endpoint
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)  # the server stops with this command
+    try:
+        with S3Endpoint.start(port=args.port) as endpoint:
+            endpoint.bucket(args.bucket)
+            environ = " ".join(f"{k}={v}" for k, v in endpoint.environ.items())
+            for line in (
+                f"A local S3 endpoint (moto's server) listens on {endpoint.url}: loopback "
+                "only, fake credentials, in memory (all is lost when it stops).",
+                f"Bucket {args.bucket!r} is created. For a CheckpointEngine:",
+                f'  remote="s3://{args.bucket}/run"',
+                f"  storage_options={json.dumps(endpoint.storage_options)}",
+                "For `aoffload ls|verify|inspect s3://...` and other processes, the environment:",
+                f"  export {environ}",
+                "Ctrl-C stops it.",
+            ):
+                _say(out, line)
+            out.flush()
+            endpoint.process.wait()  # until Ctrl-C or SIGTERM (or the server's own end)
+        _say(sys.stderr, "aoffload: the S3 server stopped on its own")
+        return EXIT_DAMAGED
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -263,12 +311,22 @@ def _parser() -> argparse.ArgumentParser:
         "clean", _clean, "remove leftovers of dead runs (.tmp-*, .trash-*); never a live run's"
     )
     clean.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    help = (
+        "serve a local S3 endpoint (moto's server, loopback, fake credentials) to try the "
+        "remote tier; prints the remote= and storage_options to use"
+    )
+    local = commands.add_parser("local-s3", help=help, description=help)
+    local.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+    local.add_argument("--bucket", default="aoffload-local", help="the bucket to create")
+    local.set_defaults(run=None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "local-s3":
+        return _local_s3(args, out or sys.stdout)
     try:
         status: int = asyncio.run(args.run(args, out or sys.stdout))
     except CheckpointError as exc:

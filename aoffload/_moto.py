@@ -2,8 +2,10 @@
 
 :class:`S3Endpoint` starts ``python -m moto.server`` on ``127.0.0.1`` and a free port and
 says how to reach it (:attr:`S3Endpoint.environ`: ``AWS_ENDPOINT_URL`` and fake
-credentials). It is what the ``aoffload_s3`` fixture of :mod:`aoffload.testing` uses, and it
-can be paused (SIGSTOP), resumed and stopped, to test what a slow or dead endpoint does.
+credentials; :attr:`S3Endpoint.storage_options`: the same for fsspec). It is what the
+``aoffload_s3`` fixture of :mod:`aoffload.testing` (which exports it) and ``aoffload
+local-s3`` use, and it can be paused (SIGSTOP), resumed and stopped, to test what a slow or
+dead endpoint does.
 It needs ``moto[server]`` (``pip install aoffload[dev]``). Loopback only.
 :meth:`S3Endpoint.objects`, :meth:`~S3Endpoint.get` and :meth:`~S3Endpoint.put` read and
 write objects with plain HTTP, to check what an engine uploaded (or damage it) without
@@ -22,7 +24,8 @@ import threading
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 from xml.etree import ElementTree
 
 __all__ = ["S3Endpoint"]
@@ -56,18 +59,28 @@ class S3Endpoint:
         """The endpoint's URL (what ``AWS_ENDPOINT_URL`` says)."""
         self.environ = {"AWS_ENDPOINT_URL": self.url, **_FAKE}
         """The environment that points boto, s3fs and the spawned workers at it."""
+        self.storage_options: dict[str, Any] = {
+            "key": _FAKE["AWS_ACCESS_KEY_ID"],
+            "secret": _FAKE["AWS_SECRET_ACCESS_KEY"],
+            "endpoint_url": self.url,
+            "client_kwargs": {"region_name": _FAKE["AWS_DEFAULT_REGION"]},
+        }
+        """The same for s3fs alone: ``CheckpointEngine(..., storage_options=...)``."""
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls) -> Iterator[S3Endpoint]:
-        """Start the server, wait until it listens, yield it; stop it at the end."""
-        port = _free_port()
+    def start(cls, port: int = 0, environ: Mapping[str, str] | None = None) -> Iterator[S3Endpoint]:
+        """Start the server (on ``port``; 0: a free one), wait until it listens, yield it;
+        stop it at the end. ``environ`` is added to the server's environment (moto's
+        settings: ``INITIAL_NO_AUTH_ACTION_COUNT=1`` checks every request but the first
+        against its IAM users, so that any credentials are denied)."""
+        port = port or _free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env={**os.environ, **_FAKE},
+            env={**os.environ, **_FAKE, **(environ or {})},
         )
         endpoint = cls(process, port)
         try:

@@ -16,8 +16,10 @@ load it with ``-p aoffload``. It provides:
   want no start at all per test.
 * ``aoffload_kill``: ``await aoffload_kill(obj)`` is :func:`kill_worker`.
 * ``aoffload_s3``: ``s3://<a fresh bucket>/run`` on a real S3 endpoint (moto's server on
-  loopback, one per session: ``aoffload_s3_endpoint``), with ``AWS_ENDPOINT_URL`` and fake
-  credentials set for the test: ``CheckpointEngine(tmp_path, remote=aoffload_s3)``.
+  loopback, one per session: ``aoffload_s3_endpoint``, an :class:`S3Endpoint`), with
+  ``AWS_ENDPOINT_URL`` and fake credentials set for the test:
+  ``CheckpointEngine(tmp_path, remote=aoffload_s3)``. A test that pauses or stops its
+  endpoint starts its own: ``with S3Endpoint.start() as endpoint:``.
 * ``aoffload_engine_options`` / ``aoffload_optimizer_options``: the keyword arguments of
   the two constructors (``{}`` and ``{"backend": "torch"}``); override them in a
   ``conftest.py`` to change them for a directory of tests.
@@ -50,6 +52,7 @@ from .checkpoint import CheckpointEngine
 from .optimizer import CPUAdam
 
 __all__ = [
+    "S3Endpoint",
     "aoffload_engine",
     "aoffload_engine_options",
     "aoffload_kill",
@@ -283,7 +286,7 @@ def aoffload_kill() -> Callable[[object], Coroutine[Any, Any, None]]:
 @pytest.fixture(scope="session")
 def aoffload_s3_endpoint() -> Iterator[S3Endpoint]:
     """moto's S3 server on loopback (a free port), started once per session; see
-    :class:`~aoffload._moto.S3Endpoint`. Needs ``moto[server]``."""
+    :class:`S3Endpoint`. Needs ``moto[server]``."""
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
         pytest.skip("the aoffload_s3 fixtures need moto[server] and s3fs")
     with S3Endpoint.start() as endpoint:

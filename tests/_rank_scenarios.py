@@ -76,7 +76,7 @@ def metadata(rank: int, world: int, directory: Path) -> dict[str, Any]:
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logger = logging.getLogger("aoffload.checkpoint.ranks")
+    logger = logging.getLogger("aoffload.checkpoint")  # ranks/ and meet/ both speak
     handler = Collect()
     logger.addHandler(handler)
 

@@ -8,6 +8,7 @@ never leaves a checkpoint that Lightning would load half-written.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -25,8 +26,10 @@ pytest.importorskip("lightning")
 
 import psutil
 import torch
+from lightning.pytorch.callbacks import Callback
 
 import aoffload
+from aoffload._cli import EXIT_OK, main
 from aoffload.checkpoint.format import layout, read
 from aoffload.lightning import AsyncCheckpointIO
 
@@ -104,6 +107,71 @@ def test_save_last_resumes_with_ckpt_path_last(tmp_path: Path) -> None:
     fit.fit(Tiny(), data(), ckpt_path="last")
     assert resumed.started_at == 4
     assert check_complete(tmp_path / "last.ckpt")["global_step"] == 6  # re-linked
+
+
+class Disk(Callback):
+    """The plugin's directory at each step, once the previous step's saves are under way:
+    the tags there (committed, and being written) and the bytes of their files."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.seen: list[tuple[int, int, int]] = []  # step, tags, bytes
+        self.largest = 0  # the bytes of the largest tag seen
+
+    def look(self, step: int) -> None:
+        if not self.store.is_dir():
+            return
+        tags, nbytes = 0, 0
+        for entry in os.listdir(self.store):
+            folder = self.store / entry
+            kept = not entry.startswith(".") or entry.startswith(layout.TMP_PREFIX)
+            if not kept or not folder.is_dir():
+                continue  # the lock files; a retired tag being deleted (.trash-*)
+            try:
+                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            except FileNotFoundError:
+                continue  # retired (renamed to .trash-*) while it was counted
+            tags, nbytes, self.largest = tags + 1, nbytes + size, max(self.largest, size)
+        self.seen.append((step, tags, nbytes))
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.look(trainer.global_step)
+
+
+def test_save_last_and_dropped_checkpoints_free_their_space(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """10 saves of ``ModelCheckpoint(every_n_train_steps=8, save_top_k=2, save_last=True)``
+    left 12 tags: each ``last.ckpt`` was a new tag, and none was removed."""
+    disk = Disk(tmp_path / STORE)
+    plugin = AsyncCheckpointIO(durable=False)
+    fit, _ = trainer(tmp_path, 80, plugin, disk, every=8, save_last=True, top_k=2)
+    fit.fit(Tiny(width=256), data(80))  # teardown: every save durable, every removal done
+    disk.look(80)
+    # In flight at any step: the checkpoint being written (max_pending=1), and the two a
+    # save event replaces (the top-k one Lightning dropped, the older last.ckpt), each
+    # removed on the commit thread once its newer one is durable, behind the commits
+    # queued there by then. Without the fix the tags grew by one per save event (12 here).
+    top_k, in_flight = 2, 3
+    assert checkpoints(tmp_path) == ["epoch=0-step=72.ckpt", "epoch=0-step=80.ckpt", "last.ckpt"]
+    assert check_complete(tmp_path / "last.ckpt")["global_step"] == 80
+    store = read.scan(tmp_path / STORE, clean=False)
+    assert len(store.tags) == top_k + 1
+    linked = {Path(os.path.realpath(tmp_path / name)).parent.name for name in checkpoints(tmp_path)}
+    assert set(store.tags) == linked  # nothing on disk that Lightning does not name
+    for step, tags, nbytes in disk.seen:  # the bound held at every step
+        assert tags <= top_k + 1 + in_flight, (step, tags, disk.seen)
+        assert nbytes <= (top_k + 1 + in_flight) * disk.largest, (step, nbytes, disk.seen)
+    assert disk.seen[-1][1] == top_k + 1
+
+    # `aoffload ls` of the folder Lightning names finds them (in .aoffload/, and says so)
+    out = io.StringIO()
+    assert main(["ls", str(tmp_path)], out) == EXIT_OK, capsys.readouterr().err
+    listed = out.getvalue()
+    assert f"kept in {tmp_path / STORE}" in listed
+    for tag in store.tags:
+        assert tag in listed
+    assert main(["verify", str(tmp_path), "--all"], io.StringIO()) == EXIT_OK
 
 
 def test_a_corrupt_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ import asyncio
 import enum
 import logging
 import threading
-from types import TracebackType
 from typing import TypeVar
 
 from .._errors import ClosedError
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncResource", "Resource", "State"]
 
-_R = TypeVar("_R", bound="AsyncResource")
+_L = TypeVar("_L", bound="_Lifecycle")
 _S = TypeVar("_S", bound="Resource")
 
 
@@ -52,20 +51,56 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-class AsyncResource:
-    """The asyncio face alone: ``async with`` (``astart()`` on entry, ``aclose()`` on exit)."""
+class _Lifecycle:
+    """What both flavours share: the state, the running check, ``async with``."""
 
     _what = "this object"
-    """How errors name the object ("the CheckpointEngine", "the cpu-adam worker")."""
-
-    def __init__(self) -> None:
-        self._state = State.NEW
-        self._closing: asyncio.Future[None] | None = None
+    """How errors name the object ("this CheckpointEngine", "the cpu-adam worker")."""
+    _use = "use it inside `async with` (or after `await astart()`) and before `aclose()`"
+    """What :meth:`check_running` tells the caller to do."""
+    _state: State
 
     @property
     def state(self) -> State:
         """Where the object is in its lifecycle."""
         return self._state
+
+    def _failing(self, exc: BaseException) -> None:
+        """``exc`` is leaving the block that uses this object (before the close runs)."""
+
+    async def astart(self) -> None:
+        """Start the object (spawn its worker and wait until it is ready)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop the worker and release every resource. Idempotent."""
+        raise NotImplementedError
+
+    def check_running(self) -> None:
+        """Raise :class:`~aoffload.ClosedError` unless the object is running."""
+        if self._state is not State.RUNNING:
+            raise ClosedError(f"{self._what} is {self._state.value}; {self._use}")
+
+    async def __aenter__(self: _L) -> _L:
+        await self.astart()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leaving(exc_info)
+        await self.aclose()
+
+    def _leaving(self, exc_info: tuple[object, ...]) -> None:
+        """A block that used the object is left; with an exception, tell :meth:`_failing`."""
+        if isinstance(exc_info[1], BaseException):
+            self._failing(exc_info[1])
+
+
+class AsyncResource(_Lifecycle):
+    """The asyncio face alone: ``async with`` (``astart()`` on entry, ``aclose()`` on exit)."""
+
+    def __init__(self) -> None:
+        self._state = State.NEW
+        self._closing: asyncio.Future[None] | None = None
 
     async def _open(self) -> None:
         """Acquire everything (spawn the worker); called once by :meth:`start`."""
@@ -113,28 +148,8 @@ class AsyncResource:
             self._state = State.CLOSED
             self._closing.set_result(None)
 
-    def check_running(self) -> None:
-        """Raise :class:`~aoffload.ClosedError` unless the object is running."""
-        if self._state is not State.RUNNING:
-            raise ClosedError(
-                f"{self._what} is {self._state.value}; use it inside `async with` "
-                "(or after `await astart()`) and before `aclose()`"
-            )
 
-    async def __aenter__(self: _R) -> _R:
-        await self.astart()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-
-class Resource:
+class Resource(_Lifecycle):
     """Both faces of one lifecycle: ``with`` / ``start()`` / ``close()`` for a synchronous
     caller, ``async with`` / ``astart()`` / ``aclose()`` for an asyncio one.
 
@@ -143,19 +158,13 @@ class Resource:
     ``with`` block before the close runs.
     """
 
-    _what = "this object"
-    """How errors name the object ("this CheckpointEngine")."""
+    _use = "use it inside `with` or `async with` (or after start()) and before close()"
 
     def __init__(self) -> None:
         self._state = State.NEW
         self._lifecycle = threading.Lock()
         self._closed = threading.Event()
         self._settled = threading.Event()  # the start has ended, one way or the other
-
-    @property
-    def state(self) -> State:
-        """Where the object is in its lifecycle."""
-        return self._state
 
     def _open(self) -> None:
         """Acquire everything (blocking); called once by :meth:`start`."""
@@ -164,9 +173,6 @@ class Resource:
     def _close(self) -> None:
         """Release everything (blocking); called once by :meth:`close` or a failed start."""
         raise NotImplementedError
-
-    def _failing(self, exc: BaseException) -> None:
-        """``exc`` is leaving the ``with`` block that uses this object (before the close)."""
 
     def start(self) -> None:
         """Start the object: spawn its worker and wait until it is ready (blocking).
@@ -247,38 +253,10 @@ class Resource:
             self._state = State.CLOSED
             self._closed.set()
 
-    def check_running(self) -> None:
-        """Raise :class:`~aoffload.ClosedError` unless the object is running."""
-        if self._state is not State.RUNNING:
-            raise ClosedError(
-                f"{self._what} is {self._state.value}; use it inside `with` or `async with` "
-                "(or after start()) and before close()"
-            )
-
     def __enter__(self: _S) -> _S:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            self._failing(exc)
+    def __exit__(self, *exc_info: object) -> None:
+        self._leaving(exc_info)
         self.close()
-
-    async def __aenter__(self: _S) -> _S:
-        await self.astart()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            self._failing(exc)
-        await self.aclose()

@@ -22,9 +22,9 @@ from .core.catalog import Catalog
 from .core.engine import EngineCore
 from .core.retention import KeepLast, KeepUntil, Retention
 from .core.roles import Coordinator, Parts, Tier
+from .meet.rendezvous import Rendezvous
 from .preemption.notice import PreemptionNotice, signal_set
 from .ranks.commit import RankCommits
-from .ranks.rendezvous import Rendezvous
 from .remote.ranks import RankUploads
 from .remote.tier import RemoteTier
 from .remote.uploader import Uploader
@@ -84,6 +84,7 @@ def assemble(options: EngineOptions) -> Assembly:
         unloadable=options.unloadable,
         start_timeout=options.start_timeout,
         close_timeout=options.close_timeout,
+        commit_timeout=options.commit_timeout,
     )
     return Assembly(core, lambda signals: PreemptionNotice(signals, rendezvous))
 

@@ -54,10 +54,12 @@ class CheckpointEngine(Resource):
     ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
     manifest records a sequence number one above the highest found in ``directory``.
 
-    ``distributed=True`` makes one checkpoint of every rank of a ``torch.distributed``
-    job (see ``ranks/``): ``start()`` and ``commit()`` are collectives, each
-    rank saves its own files, and ``commit_timeout`` bounds the wait for a rank whose
-    writer never reports (a blocked event loop never counts: reports come from a thread).
+    ``commit_timeout`` bounds how long ``close()`` waits for the commits requested
+    (``commit()``, ``commit_soon()``) to end. ``distributed=True`` makes one checkpoint of
+    every rank of a ``torch.distributed`` job (see ``ranks/``): ``start()`` and
+    ``commit()`` are collectives, each rank saves its own files, and ``commit_timeout``
+    also bounds the wait for a rank whose writer never reports (a blocked event loop
+    never counts: reports come from a thread).
 
     ``unloadable`` says what to do with a staged value that the default
     ``load(weights_only=True)`` could not read back (``np.random.get_state()``, a
@@ -180,10 +182,12 @@ class CheckpointEngine(Resource):
         self._core.failing(exc)
 
     def _close(self) -> None:
-        """Finish commits in flight, stop the writer, release staging memory.
+        """Finish the commits requested, stop the writer, release staging memory.
 
-        Tags saved but never committed are discarded (logged at WARNING). Raises the
-        failure of a background commit nobody saw.
+        Waits for every commit requested with :meth:`commit` or :meth:`commit_soon`, at
+        most ``commit_timeout`` seconds. Tags saved but never committed are discarded,
+        each logged at WARNING naming it. Raises the failure of a background commit
+        nobody saw.
         """
         _running.discard(self)
         self._uninstall_notice()
@@ -200,7 +204,7 @@ class CheckpointEngine(Resource):
             self._notice.uninstall()  # on the caller's thread: the main thread restores them
 
     async def aclose(self) -> None:
-        """Finish commits in flight, stop the writer, release staging memory (awaited).
+        """Finish the commits requested, stop the writer, release staging memory (awaited).
 
         The close runs on a thread of its own; a preemption notice's signal handlers are
         restored first, here, on the loop's thread. Idempotent.
@@ -384,6 +388,11 @@ class CheckpointEngine(Resource):
     ) -> Handle[Any]:
         """Load file ``name`` of committed checkpoint ``tag`` (default: the newest); a
         :class:`~aoffload.Handle` of the loaded object (``await`` it, or ``.result()``).
+
+        Reads your own writes: the load first waits for the commits requested before
+        this call (:meth:`commit`, :meth:`commit_soon`; of ``tag`` only, when given), so
+        right after ``commit_soon(tag)`` the newest is ``tag`` (or, where that commit
+        failed, the tag before it; the failure is raised by the engine's next call).
 
         Verified against the manifest (``CorruptCheckpointError`` naming the file on a
         mismatch), loaded with ``weights_only=True`` on the engine's load thread.

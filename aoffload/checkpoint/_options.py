@@ -3,8 +3,8 @@
 :class:`EngineOptions` is what the engine's keyword arguments make; the assembler
 (:mod:`._assemble`) reads it to choose and build the engine's parts. Every check of an
 option is here, made once, when the options are made; the options that only a role uses
-(the remote tier's; the ranks' ``commit_timeout``) are checked when that role is asked for
-(``remote=``, ``distributed=True``).
+(the remote tier's) are checked when that role is asked for (``remote=``,
+``distributed=True``), ``upload_backoff`` by the uploader's configuration.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from .core.loadable import UNLOADABLE, Unloadable
 from .format.layout import is_url
-from .remote.worker.calls import BACKOFF
 
 __all__ = ["EngineOptions"]
 
@@ -40,7 +39,7 @@ class EngineOptions:
     storage_options: Mapping[str, Any] | None = None
     upload_timeout: float = 600.0
     early_uploads: bool = False
-    upload_backoff: float = BACKOFF[0]
+    upload_backoff: float = 0.5  # checked by the uploader's config (remote/worker/calls.py)
 
     def __post_init__(self) -> None:
         if self.unloadable not in UNLOADABLE:
@@ -52,7 +51,7 @@ class EngineOptions:
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
-        if self.distributed and not self.commit_timeout > 0:
+        if not self.commit_timeout > 0:
             raise ValueError(f"commit_timeout must be > 0 seconds, not {self.commit_timeout!r}")
         if self.remote is not None:
             self._check_remote()
@@ -66,8 +65,3 @@ class EngineOptions:
             raise TypeError("storage_options must be a mapping (fsspec's options for the URL)")
         if not self.upload_timeout > 0:
             raise ValueError(f"upload_timeout must be > 0 seconds, not {self.upload_timeout!r}")
-        if not 0 <= self.upload_backoff <= BACKOFF[1]:
-            raise ValueError(
-                f"upload_backoff must be between 0 and {BACKOFF[1]:g} seconds, "
-                f"not {self.upload_backoff!r}"
-            )

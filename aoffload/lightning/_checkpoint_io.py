@@ -14,7 +14,10 @@ one tag per save, named after the file, holding it under its own name::
 The link at ``path`` is created (atomically, by ``os.replace``) only once the tag is
 durable and published, so whatever ``path`` holds is complete: the previous checkpoint,
 the new one, or nothing, never half a file. ``torch.load(path)`` reads it without
-aoffload.
+aoffload. A save to a path that already links to a checkpoint (``last.ckpt``, saved again
+and again) removes that checkpoint once the new one is linked; a checkpoint Lightning
+removes (``save_top_k``) goes once the checkpoints saved before are durable. So the folder
+holds what Lightning keeps, plus the saves in flight. ``aoffload ls <dir>`` lists them.
 """
 
 from __future__ import annotations
@@ -145,14 +148,18 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
     Lightning looks. ``load_checkpoint`` verifies the file against its manifest (size and
     xxh3-64) before loading it; ``remove_checkpoint`` (``ModelCheckpoint``'s
     ``save_top_k``) deletes a checkpoint only after the checkpoints saved before the call
-    are durable, and keeps it if one of them failed.
+    are durable, and keeps it if one of them failed. A save to a path that already holds
+    one of its checkpoints (``save_last``'s ``last.ckpt``) removes the older checkpoint
+    once the new one is durable and linked: the disk holds what Lightning keeps plus the
+    saves in flight.
 
-    Each directory gets its aoffload directory ``<dir>/.aoffload`` and a writer process,
-    started on its first save; ``teardown()`` (Lightning calls it when ``fit`` ends) waits
-    until everything is durable and stops them. A failed background save raises from
-    the next call. The options go to :class:`aoffload.CheckpointEngine`; ``commit_timeout``
-    bounds how long a load waits for saves in flight. Lightning's own retention
-    (``save_top_k``) decides what is kept, so there is no ``keep_last``.
+    Each directory gets its aoffload directory ``<dir>/.aoffload`` (``aoffload ls <dir>``
+    lists it) and a writer process, started on its first save; ``teardown()`` (Lightning
+    calls it when ``fit`` ends) waits until everything is durable and stops them. A failed
+    background save raises from the next call. The options go to
+    :class:`aoffload.CheckpointEngine`; ``commit_timeout`` bounds how long a load waits for
+    saves in flight. Lightning's own retention (``save_top_k``) decides what is kept, so
+    there is no ``keep_last``.
     """
 
     def __init__(
@@ -204,6 +211,7 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
         for key in ("epoch", "global_step"):
             if isinstance(checkpoint.get(key), int):
                 metadata[key] = checkpoint[key]
+        replaced = store.tag_of(path)  # what `path` links to now (or will): superseded
         commit = store.engine.commit(tag, metadata=metadata)
         linked: concurrent.futures.Future[None] = concurrent.futures.Future()
         linked.set_running_or_notify_cancel()
@@ -215,6 +223,12 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 if error is None:
                     target = store.root / tag / path.name
                     _link(path, target, store.durable)
+                    if replaced is not None and replaced != tag:
+                        # the superseded checkpoint goes once this one is linked; `linked`
+                        # ends with its removal (the commit thread runs it next)
+                        removal = store.engine.remove(replaced)
+                        removal.add_done_callback(lambda gone: _settle(linked, gone))
+                        return
             except BaseException as exc:  # noqa: BLE001 - raised by the plugin's next call
                 error = exc
             finally:
@@ -237,7 +251,8 @@ class AsyncCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
         Returns when every tensor is copied into staging memory (the fence: training may
         modify them from then on); the file is written, fsynced and published, and
-        ``path`` linked to it, in the background. Raises the failure of an earlier save,
+        ``path`` linked to it, in the background; the checkpoint ``path`` linked to before
+        is then removed. Raises the failure of an earlier save,
         :class:`InvalidStateError` for what cannot be saved.
         """
         if storage_options is not None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from ..._errors import ClosedError, InvalidStateError, first_line
 from ..._runtime.threads import DaemonThreadExecutor, Handoff, running_future
 from ..format import layout, read, shm, write
 from ..format import metadata as _metadata
+from . import closing
 from .load import MapLocation, load_from
 from .pipeline import Pipeline
 from .result import CommitResult
@@ -74,6 +74,7 @@ class EngineCore:
         unloadable: Unloadable,
         start_timeout: float,
         close_timeout: float,
+        commit_timeout: float = 300.0,
     ) -> None:
         self.directory = directory = parts.catalog.directory
         self.writer, self.catalog = parts.writer, parts.catalog
@@ -83,6 +84,7 @@ class EngineCore:
         self._unloadable: Unloadable = unloadable
         self._start_timeout = start_timeout
         self._close_timeout = close_timeout
+        self._commit_timeout = commit_timeout
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -301,13 +303,22 @@ class EngineCore:
     ) -> concurrent.futures.Future[Handoff[Any]]:
         """Load file ``name`` of committed ``tag`` on the load thread, from where the tier
         says it is (:func:`.load.load_from`); the future of it, handed over
-        (:class:`Handoff`) so that the load thread never frees the state."""
+        (:class:`Handoff`) so that the load thread never frees the state.
+
+        Reads this engine's own writes: the load thread first waits for the commits
+        requested before this call (of ``tag``; with ``tag=None``, every one), so that
+        ``latest`` is what they published (or, where one failed, what it was before).
+        """
         if not self._running or self._loads is None:
             raise ClosedError("the checkpoint engine is not running")
-        latest, known = self.catalog.latest, self.catalog.tags
-        where = (self.tier, self.writer, name, tag, latest, known)
-        call = functools.partial(load_from, *where, map_location, verify, weights_only)
-        return self._loads.submit(Handoff.of(call))
+        earlier = self.tags.commits(tag)
+
+        def load() -> Any:
+            concurrent.futures.wait(earlier)  # their failures are theirs: owned, raised later
+            where = (self.tier, self.writer, name, tag, self.catalog.latest, self.catalog.tags)
+            return load_from(*where, map_location, verify, weights_only)
+
+        return self._loads.submit(Handoff.of(load))
 
     def uploaded(self, tag: str | None) -> concurrent.futures.Future[Any]:
         """The future of ``tag``'s upload to the remote tier (default: the newest commit)."""
@@ -326,48 +337,30 @@ class EngineCore:
     def close(self) -> None:
         """Finish the commits in flight, stop the threads and the writer, release everything.
 
-        Blocks. Tags saved but never committed are discarded (logged at WARNING). Raises
-        the failure of a commit nobody saw fail, once everything is released. A
-        distributed rank that closes with work undone (a tag saved but not committed, an
-        exception leaving the engine, commits still running) tells the others at once.
+        Blocks. The commits requested (``commit()``, ``commit_soon()``) are waited for, at
+        most ``commit_timeout`` seconds in all (then abandoned: :class:`CheckpointError`
+        names them, once everything is released). Tags saved but never committed are
+        discarded, each logged at WARNING naming it. Raises the failure of a commit nobody
+        saw fail, once everything is released. A distributed rank that closes with work
+        undone (a tag saved but not committed, an exception leaving the engine, commits
+        still running) tells the others at once.
         """
         if self._closed:
             return
         self._closed, self._running = True, False
         open_tags = self.tags.close()
-        late: set[concurrent.futures.Future[Any]] = set()
+        late: closing.Late = set()
         try:
-            commits = [t.commit for t in open_tags if t.commit is not None]
-            _, late = concurrent.futures.wait(commits, timeout=self._close_timeout)
-            if late:
-                logger.warning(
-                    "closing with %d commits still running after close_timeout=%s s",
-                    len(late),
-                    self._close_timeout,
-                )
+            late = closing.wait_commits(open_tags, self.tags, self._commit_timeout)
             if self._pipeline is not None:
                 self._pipeline.close()  # no copy touches staging memory after this
-            for open_tag in open_tags:
-                if open_tag.commit is None and open_tag.files:
-                    logger.warning(
-                        "checkpoint %r was saved but never committed; discarded", open_tag.tag
-                    )
+            closing.say_discarded(open_tags)
         finally:
-            self._release(open_tags, self._unfinished(open_tags, late))
+            self._release(open_tags, closing.unfinished(open_tags, late, self._failure))
         self.tags.raise_background()
-
-    def _unfinished(
-        self, open_tags: list[OpenTag], late: set[concurrent.futures.Future[Any]]
-    ) -> str | None:
-        """Why this rank leaves work undone (for the peers), or ``None``."""
-        saved = [t.tag for t in open_tags if t.commit is None and t.files]
-        if self._failure is not None:
-            return self._failure
-        if saved:
-            return f"checkpoint(s) {saved} saved but never committed"
-        if late:
-            return f"{len(late)} commit(s) still running after close_timeout"
-        return None
+        error = closing.abandoned(open_tags, late, self._commit_timeout, self.catalog.latest)
+        if error is not None:
+            raise error
 
     def _release(self, open_tags: list[OpenTag], unfinished: str | None) -> None:
         """In this order: the tier (the uploads in flight, bounded by upload_timeout), the

@@ -32,14 +32,14 @@ from ..._runtime.gate import GATE
 from ..._runtime.threads import DaemonThreadExecutor
 from ..writer.calls import Blob, FileRecord, MapSegment, Span, TorchRecord, WriteRecords
 from .copy import CopyPool, stage_events
-from .plan import cpu_storages, plan, versions
+from .plan import cpu_storages, plan, restructured, versions
 
 if TYPE_CHECKING:
     from ..._runtime.core import WorkerCore
     from ..._runtime.gate import Reading
     from .copy import Events
     from .loadable import Unloadable
-    from .plan import Plan, Versions
+    from .plan import Plan, Structure, Versions
     from .staging import Region, Segment
     from .tags import FileJob, Tags
 
@@ -66,7 +66,9 @@ class Pipeline:
         ends, so that the worker's next write waits for it; held while a step is writing
         it, the staging is refused here (see :mod:`aoffload._runtime.gate`).
         """
-        recorded = versions(state)
+        structure: Structure = []
+        recorded = versions(state, structure)
+        job.structure = structure  # for the fence: a key added or removed since stage()
         reading = GATE.begin_read(cpu_storages(state) if GATE.guarding() else ())
         if reading.busy is not None:
             raise CheckpointError(
@@ -177,7 +179,16 @@ class Pipeline:
         # The check is the plan's last use: drop it, so that the tag, alive until it is
         # published, does not keep the caller's tensors alive too.
         planned, job.plan = job.plan, None
+        structure, job.structure = job.structure, []
         moved = None if planned is None else planned.modified()
+        changed = None if planned is None else restructured(structure, planned.state)
+        if changed is not None and moved is None:
+            return CheckpointError(
+                f"cannot save {job.name!r}: {changed} after stage() and before `await staged`; "
+                f"checkpoint {job.open_tag.tag!r} is discarded. Do not change a staged state "
+                "(its tensors, or the keys of its dicts) until the fence (`await staged`, or "
+                "save()) has returned"
+            )
         if moved is None:
             job.sealed = True
             if planned is not None and planned.unloadable is not None:

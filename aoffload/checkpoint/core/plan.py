@@ -37,11 +37,13 @@ from .pickler import TorchPickler, version_of
 __all__ = [
     "ALIGN",
     "Plan",
+    "Structure",
     "Versions",
     "aligned",
     "cpu_storages",
     "key_of",
     "plan",
+    "restructured",
     "version_of",
     "versions",
 ]
@@ -94,10 +96,16 @@ Versions = dict[int, int | None]
 """Each tensor's version counter when ``stage()`` was called, by ``id(tensor)``."""
 
 
-def versions(state: object) -> Versions:
+Structure = list[tuple[dict[Any, Any] | list[Any], tuple[Any, ...] | int]]
+"""Each dict of a state with its keys, each list with its length, when ``stage()`` was called."""
+
+
+def versions(state: object, structure: Structure | None = None) -> Versions:
     """The version counter of every tensor in ``state``'s dicts, lists and tuples, by id.
 
-    Runs on the caller's thread when ``stage()`` is called; O(entries).
+    Runs on the caller's thread when ``stage()`` is called; O(entries). With
+    ``structure``, also appends each dict and its keys, each list and its length, for
+    :func:`restructured` to compare at the fence.
     """
     found: Versions = {}
     stack = [state]
@@ -107,10 +115,41 @@ def versions(state: object) -> Versions:
             if id(value) not in found:
                 found[id(value)] = version_of(value)
         elif isinstance(value, dict):
+            if structure is not None:
+                structure.append((value, tuple(value)))
             stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, list):
+            if structure is not None:
+                structure.append((value, len(value)))
+            stack.extend(value)
+        elif isinstance(value, tuple):
             stack.extend(value)
     return found
+
+
+def restructured(structure: Structure, state: object) -> str | None:
+    """What changed in ``state``'s structure since ``structure`` was recorded (a key added
+    to or removed from a dict, a list grown or shrunk), naming the key; ``None`` if nothing.
+
+    O(entries) where nothing changed; ``state`` names the key (the error path only).
+    """
+    for container, recorded in structure:
+        if isinstance(recorded, int):
+            if len(container) != recorded:
+                where = key_of(state, container) or "a list of the state"
+                return f"{where} changed length from {recorded} to {len(container)}"
+            continue
+        if len(container) == len(recorded) and tuple(container) == recorded:
+            continue
+        before = set(recorded)
+        added = [key for key in container if key not in before]
+        removed = [key for key in recorded if key not in container]
+        if not added and not removed:
+            continue  # the same keys, reordered: the same state
+        where = key_of(state, container) or "a dict of the state"
+        key, change = (added[0], "added") if added else (removed[0], "removed")
+        return f"{where}[{key!r}] was {change}"
+    return None
 
 
 _NEVER_REFUSED = frozenset({torch.Tensor, torch.nn.Parameter, collections.OrderedDict})
@@ -155,7 +194,7 @@ def cpu_storages(state: object) -> set[int]:
     return found
 
 
-def key_of(value: object, target: torch.Tensor, key: str = "state") -> str | None:
+def key_of(value: object, target: object, key: str = "state") -> str | None:
     """The key path of ``target`` inside ``value`` (by identity), or ``None``."""
     if value is target:
         return key

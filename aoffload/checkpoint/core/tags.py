@@ -36,7 +36,7 @@ from ..format.layout import TMP_PREFIX
 
 if TYPE_CHECKING:
     from ..writer.calls import FileRecord
-    from .plan import Plan
+    from .plan import Plan, Structure
     from .staging import Slot, SlotPool
 
 __all__ = ["FileJob", "OpenTag", "TagState", "Tags"]
@@ -60,15 +60,17 @@ class FileJob:
     (what ``await staged`` waits for); ``written`` when the writer has written (and, if
     durable, fsynced) the file. A staging failure fails both. ``plan`` is the planned
     state (its tensors and their version counters as of ``stage()``), kept for the
-    fence's check; ``sealed`` is that check's outcome once the fence ran.
+    fence's check, with ``structure`` (the state's dicts' keys and lists' lengths as of
+    ``stage()``); ``sealed`` is that check's outcome once the fence ran.
     """
 
-    __slots__ = ("name", "open_tag", "plan", "sealed", "staged", "written")
+    __slots__ = ("name", "open_tag", "plan", "sealed", "staged", "structure", "written")
 
     def __init__(self, name: str, open_tag: OpenTag) -> None:
         self.name = name
         self.open_tag = open_tag
         self.plan: Plan | None = None
+        self.structure: Structure = []
         self.sealed: BaseException | bool = False
         self.staged: concurrent.futures.Future[None] = running_future()
         self.written: concurrent.futures.Future[FileRecord] = running_future()
@@ -186,11 +188,12 @@ class Tags:
     def failed(self, job: FileJob, error: BaseException) -> None:
         """A file's staging failed: its name is free again; its error waits to be seen.
 
-        Once the tag is being committed, the file stays listed: the commit raises its error.
+        Once the tag is being committed, the file stays listed: the commit raises its error;
+        and once the engine is closing, too: the close names the tag it discards.
         """
         with self._cond:
             open_tag = job.open_tag
-            if open_tag.state is TagState.OPEN:
+            if open_tag.state is TagState.OPEN and not self._closing:
                 if open_tag.files.get(job.name) is job:
                     del open_tag.files[job.name]
                 open_tag.failures[job.name] = error
@@ -335,10 +338,15 @@ class Tags:
             self._queued.clear()
         self._slots.close()
 
-    def commits(self) -> list[concurrent.futures.Future[Any]]:
-        """The futures of the commits requested and not yet ended, oldest first."""
+    def commits(self, tag: str | None = None) -> list[concurrent.futures.Future[Any]]:
+        """The futures of the commits requested and not yet ended, oldest first (of
+        ``tag`` only, when given)."""
         with self._cond:
-            return [t.commit for t in self._open.values() if t.commit is not None]
+            return [
+                t.commit
+                for t in self._open.values()
+                if t.commit is not None and (tag is None or t.tag == tag)
+            ]
 
     def open_tags(self) -> list[str]:
         """The tags in flight, in the order they were opened."""

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ... import _paths
 from ..._errors import CheckpointError, CorruptCheckpointError
 from . import layout, read, write
 from . import lock as _lock
-from . import paths as _paths
 from . import shm as _shm
 
 __all__ = [
+    "NESTED",
     "FileCheck",
     "FileSummary",
     "TagInfo",
@@ -33,6 +34,7 @@ __all__ = [
     "inspect_tag",
     "leftovers",
     "list_tags",
+    "locate",
     "pick",
     "resolve_tags",
     "summarise",
@@ -41,6 +43,35 @@ __all__ = [
 ]
 
 _LATEST_TMP = f".{layout.LATEST}.tmp"  # the pointer being replaced (see write.publish)
+
+NESTED = ".aoffload"
+"""The checkpoint directory ``aoffload.lightning.AsyncCheckpointIO`` keeps inside the folder
+of the checkpoints Lightning names (``<dir>/.aoffload/<tag>/<file>``, ``<dir>/<file>`` a
+link to it)."""
+
+
+def locate(directory: Path) -> tuple[Path, bool]:
+    """The checkpoint directory to read for ``directory``, and whether it is the Lightning
+    plugin's (``directory/.aoffload``). Blocking.
+
+    A checkpoint directory is one an engine has started in (it holds ``.aoffload.lock``),
+    or one that holds ``latest`` or a committed tag: it may hold no committed checkpoint
+    yet. A directory that is none of these but holds such a ``.aoffload/`` is a folder of
+    Lightning checkpoints. Raises :class:`CheckpointError` for anything else, and for a
+    path that is not a directory.
+    """
+    if not directory.is_dir():  # the user's own path: a link to a directory is one
+        raise CheckpointError(f"{directory} is not a directory")
+    if _is_checkpoint_directory(directory):
+        return directory, False
+    nested = directory / NESTED
+    if _paths.kind(nested) == "dir" and _is_checkpoint_directory(nested):
+        return nested, True
+    raise CheckpointError(
+        f"{directory} is not an aoffload checkpoint directory: it holds no {layout.LATEST!r}, "
+        f"no {_lock.LOCK_FILE!r}, no committed tag, and no {NESTED}/ of aoffload's Lightning "
+        "plugin (point the command at the directory given to CheckpointEngine)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

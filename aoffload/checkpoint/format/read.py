@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ... import _paths as paths
 from ..._errors import CheckpointError, CorruptCheckpointError, InvalidStateError
-from . import paths
 from .layout import (
     LATEST,
     MANIFEST,

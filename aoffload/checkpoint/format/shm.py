@@ -19,12 +19,12 @@ import os
 import re
 
 from ..._errors import CheckpointError
+from ..._runtime.census import SHM_DIR
 
 __all__ = ["SHM_DIR", "check_room", "dead_files", "remove_dead", "segment_prefix"]
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _OWNED = re.compile(r"aoffload-(?:load-)?(?P<pid>\d+)-(?:(?P<start>\d+)-)?\d+")
 
 

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ... import _paths as paths
 from ..._errors import CheckpointError
-from . import paths
 from .layout import FORMAT, LATEST, MANIFEST, TRASH_PREFIX, FileEntry, validate_name
 
 __all__ = [

@@ -1,6 +1,6 @@
 """How the ranks agree on the step to save at, once any of them got a preemption notice.
 
-The ranks meet through the engine's own store (``ranks/rendezvous.py``), with keys
+The ranks meet through the engine's own store (``meet/rendezvous.py``), with keys
 ``aoffload/<run>/preempt/...`` (``Keys.preemption``), and only once a notice came: until then
 each rank's threads block on a key, which costs no traffic at all. Each rank has two
 threads, never the loop's:
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from ..._errors import CheckpointError, first_line
-from ..ranks.keys import Keys
+from ..meet.keys import Keys
 
 if TYPE_CHECKING:
-    from ..ranks.rendezvous import Rendezvous
+    from ..meet.rendezvous import Rendezvous
 
 __all__ = ["Agreement", "Party"]
 

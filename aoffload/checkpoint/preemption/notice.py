@@ -32,7 +32,7 @@ from ..._runtime.threads import mark_retrieved, running_future
 from .agreement import Agreement
 
 if TYPE_CHECKING:
-    from ..ranks.rendezvous import Rendezvous
+    from ..meet.rendezvous import Rendezvous
 
 __all__ = ["PreemptionNotice", "signal_set"]
 

@@ -59,9 +59,8 @@ from ..core.result import CommitResult, committed
 from ..core.roles import Published
 from ..format import layout, write
 from ..format import metadata as _metadata
-from .departure import Departure
-from .keys import Keys
-from .reports import (
+from ..meet.keys import Keys
+from ..meet.reports import (
     WRITTEN,
     Answer,
     Failure,
@@ -72,14 +71,15 @@ from .reports import (
     verdict,
     warn_differing,
 )
+from .departure import Departure
 
 if TYPE_CHECKING:
     from ..._runtime.core import WorkerCore
     from ..core.catalog import Catalog
     from ..core.roles import Resolve
     from ..core.tags import OpenTag
+    from ..meet.rendezvous import Rendezvous
     from ..writer.calls import FileRecord
-    from .rendezvous import Rendezvous
 
 __all__ = ["RankCommits"]
 

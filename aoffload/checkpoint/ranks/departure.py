@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from ..._errors import AoffloadError, first_line
+from ..meet.keys import Keys
+from ..meet.reports import Failure, encode
 from ..writer.calls import WatchRank
-from .keys import Keys
-from .reports import Failure, encode
 
 if TYPE_CHECKING:
     from ..._runtime.core import WorkerCore
-    from .rendezvous import Rendezvous
+    from ..meet.rendezvous import Rendezvous
 
 __all__ = ["Departure"]
 

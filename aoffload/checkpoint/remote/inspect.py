@@ -32,9 +32,20 @@ def _store(url: str) -> RemoteStore:
 
 
 async def list_tags(url: str) -> tuple[list[TagInfo], str | None]:
-    """The published tags of ``url`` (by sequence, oldest first) and ``latest``."""
+    """The published tags of ``url`` (by sequence, oldest first) and ``latest``.
+
+    Raises :class:`CheckpointError` when ``url`` cannot be reached (a missing bucket, no
+    credentials, access denied: at once) or holds no published checkpoint: an object store
+    has no empty folders, so a prefix with nothing of aoffload's under it is either a wrong
+    URL or a tier nothing was uploaded to yet.
+    """
     store = await asyncio.to_thread(_store, url)
     scan = await asyncio.to_thread(store.scan)
+    if not scan.manifests and scan.latest is None:
+        raise CheckpointError(
+            f"{store.url} holds no published checkpoint (no 'latest', no tag with a "
+            "manifest): a wrong URL, or nothing was uploaded there yet"
+        )
     infos = []
     for tag, manifest in scan.manifests.items():
         try:

@@ -7,9 +7,9 @@ the tier's :class:`~.tier.Spread`: the upload of one tag across the ranks, on ea
 upload thread, with ``Keys.upload(run, n)`` for commit ``n``:
 
 Each rank uploads the files it holds (:attr:`~..core.roles.Published.files`), then posts
-an :class:`~..ranks.reports.Uploaded` report and counts itself; the last report sets
+an :class:`~..meet.reports.Uploaded` report and counts itself; the last report sets
 ``outcome`` to *uploaded*, and a rank whose upload failed sets it to its
-:class:`~..ranks.reports.Failure` instead (the first verdict wins). Rank 0 waits for
+:class:`~..meet.reports.Failure` instead (the first verdict wins). Rank 0 waits for
 ``outcome`` (bounded by ``upload_timeout``; the ranks that did not report are named), then
 writes one remote manifest covering every rank's files, then ``latest``, and sets
 ``result``; every rank waits for ``result``, acknowledges it, and resolves its
@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from ..._errors import CheckpointError, first_line
 from ..format import layout, read
-from ..ranks.keys import Keys
-from ..ranks.rendezvous import get, missing, wait_acks
-from ..ranks.reports import UPLOADED, Answer, Failure, Uploaded, encode, verdict
+from ..meet.keys import Keys
+from ..meet.rendezvous import get, missing, wait_acks
+from ..meet.reports import UPLOADED, Answer, Failure, Uploaded, encode, verdict
 
 if TYPE_CHECKING:
     from ..core.roles import Published
-    from ..ranks.rendezvous import Rendezvous
+    from ..meet.rendezvous import Rendezvous
     from .early import EarlyFiles
     from .tier import RemoteTier
 

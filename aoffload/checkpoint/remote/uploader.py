@@ -80,12 +80,16 @@ class Uploader:
         self.core.spawn()
 
     def join(self, timeout: float) -> RemoteScan:
-        """Wait for the uploader, scan the remote tier (blocking); what it holds."""
+        """Wait for the uploader, check that the remote tier can be listed and written,
+        scan it (blocking); what it holds. Raises :class:`CheckpointError` naming the URL
+        (without credentials) when it cannot be used."""
         try:
             self.core.ready.result(timeout)
         except concurrent.futures.TimeoutError:
             raise self.core.startup_timeout(timeout) from None
-        scan: RemoteScan = self.call(ScanRemote(), f"could not list the remote tier {self.url}")
+        scan: RemoteScan = self.call(
+            ScanRemote(probe=True), f"the remote tier {self.url} cannot be used"
+        )
         with self._lock:
             self._manifests, self.latest = dict(scan.manifests), scan.latest
         return scan

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..._errors import CheckpointError
-from ..format.shm import SHM_DIR
+from ..._runtime.census import SHM_DIR
 from .calls import LoadedFile, LoadFile
 
 __all__ = ["BLOB_PREFIX", "load_in_worker", "unlink_all"]

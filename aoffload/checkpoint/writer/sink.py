@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..format import paths as _paths
+from ... import _paths
 
 __all__ = ["BOUNCE_BYTES", "Sink", "open_for_write"]
 

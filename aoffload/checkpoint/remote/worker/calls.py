@@ -75,6 +75,12 @@ class UploaderConfig:
     concurrency: int = 8
     backoff: float = BACKOFF[0]
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.backoff <= BACKOFF[1]:
+            raise ValueError(
+                f"upload_backoff must be between 0 and {BACKOFF[1]:g} seconds, not {self.backoff!r}"
+            )
+
     def __repr__(self) -> str:  # never the options: they may hold credentials
         hidden = f"<{len(self.storage_options)} hidden>"
         return f"UploaderConfig(url={redact_url(self.url)!r}, storage_options={hidden})"
@@ -82,7 +88,11 @@ class UploaderConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScanRemote(Call[RemoteScan]):
-    """List the published tags (with their manifests) and ``latest``."""
+    """List the published tags (with their manifests) and ``latest``; with ``probe``,
+    first check that the tier can be listed and written (a small object written, then
+    deleted)."""
+
+    probe: bool = False
 
 
 @dataclass(frozen=True, slots=True)

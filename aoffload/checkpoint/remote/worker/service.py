@@ -81,7 +81,7 @@ class UploaderService(Service):
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
         """Scan, upload files, write a small object, remove tags, download, read a manifest."""
         return {
-            ScanRemote: lambda _: self._store.scan(),
+            ScanRemote: lambda call: self._store.scan(call.probe),
             StartFiles: self._start_files,
             AwaitFiles: self._await_files,
             PutText: lambda call: self._store.put_text(call.parts, call.text),

@@ -11,7 +11,8 @@ publication is by write order alone: a reader that sees a manifest sees every fi
 lists, and ``latest`` never names a tag whose manifest is not there. Retention deletes a
 tag's manifest first, so a tag disappears whole.
 
-Every call is blocking and retried with backoff on transient errors (:func:`retried`). It
+Every call is blocking and retried with backoff on transient errors (:func:`retried`);
+missing credentials, access denied and a missing bucket are permanent: never retried. It
 runs in the uploader process (:mod:`.service`), or in the command line. Errors never
 carry a credential: :class:`Redactor` scrubs every message that leaves this module.
 Nothing here imports torch.
@@ -54,6 +55,21 @@ _PERMANENT = (
     TypeError,
     CheckpointError,  # and CorruptCheckpointError: what this module decided, not the network
 )
+_NO_CREDENTIALS = frozenset(
+    {
+        "NoCredentialsError",  # botocore: nothing in storage_options, the environment, files
+        "PartialCredentialsError",
+        "CredentialRetrievalError",
+        "NoAuthTokenError",
+        "UnauthorizedSSOTokenError",
+        "DefaultCredentialsError",  # google-auth
+        "ClientAuthenticationError",  # azure-core
+    }
+)
+"""The cloud SDKs' errors for credentials that are missing or unusable, by class name (the
+SDKs are optional: none is imported here). No retry can make credentials appear."""
+_PROBE = ".aoffload-probe-"
+"""The name of the small object a start writes and deletes, to check the tier is writable."""
 _SECRET_KEY = re.compile(r"key|secret|token|pass|credential|session|sas|sig|auth", re.I)
 _SECRET_ENV = (
     "AWS_SECRET_ACCESS_KEY",
@@ -108,6 +124,30 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _no_credentials(exc: BaseException) -> bool:
+    return any(kind.__name__ in _NO_CREDENTIALS for kind in type(exc).__mro__)
+
+
+def _permanent(exc: BaseException) -> bool:
+    """Whether retrying cannot help: what the store itself decided, a missing object or
+    bucket, access denied, no usable credentials."""
+    return isinstance(exc, _PERMANENT) or _no_credentials(exc)
+
+
+def _explain(exc: BaseException) -> str:
+    """``exc`` described, with what to do where the kind of failure says it."""
+    text = _describe(exc)
+    if _no_credentials(exc):
+        return (
+            f"{text} (no usable credentials: give them in storage_options, e.g. "
+            "{'key': ..., 'secret': ...} for s3://, or in the environment or the SDK's "
+            "configuration files)"
+        )
+    if isinstance(exc, PermissionError):
+        return f"{text} (access denied: the credentials must allow listing, writing and deleting)"
+    return text
+
+
 def retried(
     what: str,
     call: Callable[[], T],
@@ -117,6 +157,8 @@ def retried(
 ) -> T:
     """``call()``, retried with backoff while it fails with a transient error: ``backoff``
     seconds before the first retry, doubled before each next one, at most ``BACKOFF[1]``.
+    A permanent error (no usable credentials, access denied, a missing object or bucket,
+    what this module decided) is raised at once.
 
     Raises :class:`CheckpointError` saying ``what`` failed, how many times, and why (the
     message redacted, the original exception not chained: its text may hold a credential).
@@ -125,12 +167,9 @@ def retried(
     for attempt in range(retries + 1):
         try:
             return call()
-        except _PERMANENT as exc:
-            error: BaseException = exc
-            break
         except Exception as exc:  # noqa: BLE001 - transient until proven otherwise: retried
-            error = exc
-            if attempt == retries:
+            error: BaseException = exc
+            if _permanent(exc) or attempt == retries:
                 break
             logger.warning(
                 "%s failed (%s); retry %d of %d in %.1f s",
@@ -143,7 +182,7 @@ def retried(
             time.sleep(delay)
             delay = min(delay * 2, BACKOFF[1])
     tries = f" after {attempt + 1} attempts" if attempt else ""
-    raise CheckpointError(redact(f"{what} failed{tries}: {_describe(error)}")) from None
+    raise CheckpointError(redact(f"{what} failed{tries}: {_explain(error)}")) from None
 
 
 class RemoteStore:
@@ -211,17 +250,46 @@ class RemoteStore:
         data = self._retried(f"reading the manifest of {tag!r}", read)
         return parse_manifest(f"{self.url}/{tag}/{layout.MANIFEST}", data)
 
-    def scan(self) -> RemoteScan:
-        """Every published tag (a tag is published once its manifest exists) and ``latest``."""
+    def _bucket(self) -> str | None:
+        """The bucket (or container) the root lies in, for an object store; else ``None``."""
+        if hasattr(self.fs, "auto_mkdir"):  # a filesystem with directories: no buckets
+            return None
+        return self.root.partition("/")[0] or None
 
-        def listing() -> list[str]:
-            try:
-                entries = self.fs.ls(self.root, detail=True, refresh=True)
-            except FileNotFoundError:
-                return []
-            return [e["name"].rstrip("/") for e in entries if e.get("type") == "directory"]
+    def _listing(self) -> list[str]:
+        """The folders under the root (none for a prefix that holds nothing yet).
 
-        folders = self._retried("listing the remote tier", listing)
+        Raises :class:`FileNotFoundError` naming the bucket when it does not exist.
+        """
+        try:
+            entries = self.fs.ls(self.root, detail=True, refresh=True)
+        except FileNotFoundError:
+            bucket = self._bucket()
+            if bucket is not None and bucket != self.root:
+                try:
+                    self.fs.ls(bucket, refresh=True)
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"the bucket {bucket!r} does not exist") from None
+            elif bucket is not None:
+                raise FileNotFoundError(f"the bucket {bucket!r} does not exist") from None
+            return []
+        return [e["name"].rstrip("/") for e in entries if e.get("type") == "directory"]
+
+    def probe(self) -> None:
+        """Check that the remote tier can be listed and written: list the root, then write
+        a small object under it and delete it. Raises :class:`CheckpointError` saying which
+        step failed and why (a missing bucket, access denied, no credentials: at once)."""
+        self._retried("listing the remote tier", self._listing)
+        probe = self.path(f"{_PROBE}{uuid.uuid4().hex[:12]}")
+        self._retried("writing a probe object", lambda: self.fs.pipe_file(probe, b"aoffload"))
+        self._retried("deleting the probe object", lambda: self.fs.rm_file(probe))
+
+    def scan(self, probe: bool = False) -> RemoteScan:
+        """Every published tag (a tag is published once its manifest exists) and ``latest``;
+        with ``probe``, first check that the tier can be written (:meth:`probe`)."""
+        if probe:
+            self.probe()
+        folders = self._retried("listing the remote tier", self._listing)
         names = [f.rpartition("/")[2] for f in folders]
         tags = [n for n in names if n and not n.startswith(".") and n != layout.LATEST]
         paths = [self.path(tag, layout.MANIFEST) for tag in tags]
