@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,8 +129,7 @@ class CheckpointEngine(Resource):
         self._remote = remote
         self._notices = parts.notice
         self._notice: PreemptionNotice | None = None
-        self._dcp: DcpFace | None = None
-        self._dcp_lock = threading.Lock()
+        self._faces = _running.Faces(self)
         super().__init__()
 
     # -- introspection -----------------------------------------------------------------
@@ -163,12 +161,8 @@ class CheckpointEngine(Resource):
     def dcp(self) -> DcpFace:
         """This engine's face for ``torch.distributed.checkpoint``: ``async_save``,
         ``save`` and ``load`` of a DCP state dict under a tag (see ``aoffload.dcp``)."""
-        with self._dcp_lock:
-            if self._dcp is None:
-                from ..dcp._face import DcpFace  # torch.distributed.checkpoint: on demand
-
-                self._dcp = DcpFace(self)
-            return self._dcp
+        face: DcpFace = self._faces.dcp()
+        return face
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -194,8 +188,7 @@ class CheckpointEngine(Resource):
         if self._notice is not None:
             self._notice.close()
         try:
-            if self._dcp is not None:
-                self._dcp.close()
+            self._faces.close()
         finally:
             self._core.close()
 
