@@ -10,7 +10,9 @@
 - :mod:`.inherit`: what a worker inherits from the trainer, per server and per start;
 - :mod:`.serve`: the worker's side (boot, handshake, dispatch by request type, log forwarding);
 - :mod:`.census`: counting workers and staging segments, for the leak checks;
-- :mod:`.resource`: the one lifecycle (:class:`~.resource.Resource`, both faces; :class:`~.resource.AsyncResource`, the asyncio face);
+- :mod:`.resource`: the one lifecycle (:class:`~.resource.Resource`, both faces;
+  :class:`~.resource.AsyncResource`, the asyncio face alone);
+- :mod:`.handle`: :class:`~.handle.Handle`, what every call that waits returns;
 - :mod:`.threads`: the library's own threads and the primitives they share;
 - :mod:`.loops`: the choice of event loop (uvloop when installed).
 """
