@@ -12,8 +12,10 @@ thread               work
 ===================  ==============================================================
 the caller's         ``stage()``: validation, version counters, the job handed over;
                      ``commit()``: which tag, its future, the commit handed over
-stage thread         plan, wait for a staging slot, reserve space (:mod:`.pipeline`)
-copy pool            the GIL-free copy, the version check, the hand-off to the writer
+stage thread         plan, open the file in the writer, take staging chunks (the cap's
+                     backpressure) for the copy pool (:mod:`.pipeline`)
+copy pool            the GIL-free copy of each chunk, fed to the writer in file order;
+                     the version check after the last chunk
 writer process       ``torch.save``'s archives into ``O_DIRECT`` files, fsync (``writer/``)
 commit thread        one commit at a time, in request order, through the coordinator:
                      wait for the writes, fsync, publish, ``latest``, retention
@@ -43,7 +45,7 @@ from ..format import metadata as _metadata
 from .load import MapLocation, load_from
 from .pipeline import Pipeline
 from .result import CommitResult
-from .staging import SlotPool
+from .staging import SlotPool, default_cap
 from .tags import Tags
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class EngineCore:
         unloadable: Unloadable,
         start_timeout: float,
         close_timeout: float,
+        staging_bytes: int | None = None,
+        local_ranks: int = 1,
     ) -> None:
         self.directory = directory = parts.catalog.directory
         self.writer, self.catalog = parts.writer, parts.catalog
@@ -83,6 +87,8 @@ class EngineCore:
         self._unloadable: Unloadable = unloadable
         self._start_timeout = start_timeout
         self._close_timeout = close_timeout
+        self._staging_bytes = staging_bytes
+        self._local_ranks = local_ranks
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -114,9 +120,11 @@ class EngineCore:
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
                 shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
-                shm.check_room(read.latest_bytes(self.directory, found), self._max_pending)
+                cap = self._staging_bytes or default_cap(self._local_ranks)
+                latest = read.latest_bytes(self.directory, found)
+                shm.check_room(latest, self._max_pending, cap, self._staging_bytes is not None)
                 self.writer.start(self._start_timeout)
-                self._pipeline = Pipeline(self.tags, self.writer, self._unloadable)
+                self._pipeline = Pipeline(self.tags, self.writer, cap, self._unloadable)
             self.coordinator.arm()
         except BaseException:
             self.close()
