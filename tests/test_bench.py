@@ -33,7 +33,9 @@ def _overlap_cpu_adams() -> tuple[str, str]:
 @pytest.mark.timeout(600)  # the whole benchmark, --smoke; slower on a loaded machine
 def test_quick_benchmark_measures_every_aoffload_system(bench_smoke: BenchRun) -> None:
     assert bench_smoke.returncode == 0, bench_smoke.stderr[-4000:]
-    for section in ("bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed"):
+    for section in (
+        "bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed", "memory",
+    ):  # fmt: skip
         assert f"## {section}" in bench_smoke.stdout
     assert "## FAILED" not in bench_smoke.stdout
     data = bench_smoke.data
@@ -43,7 +45,7 @@ def test_quick_benchmark_measures_every_aoffload_system(bench_smoke: BenchRun) -
     assert data["options"]["smoke"] is True
     assert data["machine"]["cpus"] >= 1
     assert {f["section"] for f in data["figures"]} >= {
-        "bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed",
+        "bridge", "checkpoint", "optimizer", "overlap", "loop lag", "distributed", "memory",
     }  # fmt: skip
 
     skipped_aoffload = [s for s in data["skipped"] if s["system"].startswith("aoffload")]
@@ -96,6 +98,40 @@ def test_quick_benchmark_measures_every_aoffload_system(bench_smoke: BenchRun) -
     titles = [t["title"] for t in data["tables"] if t["section"] == "overlap"]
     assert any(t.startswith("Step time") for t in titles), titles
     assert any(t.startswith("Overflow") for t in titles), titles
+
+
+def test_the_memory_section_measures_the_staging_cap(bench_smoke: BenchRun) -> None:
+    """Every figure of #35's goals is there, for the capped and the default engine; the
+    capped engine's staging never exceeded its cap (a count, not a speed); the peers are
+    measured or say why not."""
+    data = bench_smoke.data
+    assert data is not None
+    figures = {(f["system"], f["metric"]): f for f in data["figures"] if f["section"] == "memory"}
+    capped = next(system for system, _ in figures if system.startswith("aoffload, staging_bytes="))
+    for system in (capped, "aoffload, default staging cap"):
+        for metric in (
+            "peak staging memory (CommitResult)",
+            "peak PSS, trainer + its processes",
+            "peak PSS over the trainer before its state",
+            "time to durable, 0 s step",
+            "time to durable / raw O_DIRECT (paired)",
+            "stall after a step longer than the streaming",
+        ):
+            assert (system, metric) in figures, (system, metric)
+    cap = float(capped.split("=")[1].split()[0])
+    assert max(figures[capped, "peak staging memory (CommitResult)"]["samples"]) <= cap
+    for process in ("trainer", "writer"):
+        assert any(
+            system == "aoffload, many saves" and metric.startswith(f"{process} PSS growth")
+            for system, metric in figures
+        ), process
+    skipped = {s["system"] for s in data["skipped"] if s["section"] == "memory"}
+    for peer in ("DCP async_save THREAD", "torch_checkpointing"):
+        assert any(system.startswith(peer) for system, _ in figures) or any(
+            s.startswith(peer) for s in skipped
+        ), peer
+    ratios = {r["name"] for r in data["ratios"] if r["section"] == "memory"}
+    assert "time to durable: capped / uncapped (goal <= 1.15)" in ratios
 
 
 def test_report_labels_few_samples_and_lists_failures() -> None:
