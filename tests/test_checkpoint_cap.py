@@ -189,8 +189,11 @@ async def test_many_small_files_and_an_empty_one_stream_in_order(tmp_path: Path)
             assert all(torch.equal(loaded[k], v) for k, v in state.items()), name
 
 
-def test_the_default_cap_shares_ram_and_shm_among_the_local_ranks() -> None:
-    one, eight = default_cap(1), default_cap(8)
+def test_the_default_cap_shares_ram_and_shm_among_the_local_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    one, eight = default_cap(), default_cap(ranks=True)
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert one <= ram // 4
     assert eight <= one // 8 + 4096

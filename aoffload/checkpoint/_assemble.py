@@ -12,7 +12,6 @@ Retention keeps the ``keep_last`` newest tags, and a tag's files until its uploa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -85,17 +84,8 @@ def assemble(options: EngineOptions) -> Assembly:
         start_timeout=options.start_timeout,
         close_timeout=options.close_timeout,
         staging_bytes=options.staging_bytes,
-        local_ranks=_local_ranks() if options.distributed else 1,
     )
     return Assembly(core, lambda signals: PreemptionNotice(signals, rendezvous))
-
-
-def _local_ranks() -> int:
-    """The ranks of this node (torchrun's ``LOCAL_WORLD_SIZE``), who share its memory."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def _tier(options: EngineOptions, rendezvous: Rendezvous | None) -> Tier:

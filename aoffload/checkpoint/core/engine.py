@@ -1,21 +1,18 @@
 """The checkpoint engine itself, as any thread sees it: synchronous and thread-safe.
 
-:class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all
-the work; nothing in it needs an event loop. :class:`~aoffload.CheckpointEngine` is its
-face for both kinds of trainer. It is one process writing one local directory: who else
-takes part in a commit (a :class:`~.roles.Coordinator`) and what stands behind the
-directory (a :class:`~.roles.Tier`) are handed to it by the assembler, so nothing here
-asks which features the engine has.
+:class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all the
+work; nothing in it needs an event loop. :class:`~aoffload.CheckpointEngine` is its face for
+both kinds of trainer. It is one process writing one local directory: who else takes part in
+a commit (a :class:`~.roles.Coordinator`) and what stands behind the directory (a
+:class:`~.roles.Tier`) are handed to it by the assembler: nothing here asks about features.
 
 ===================  ==============================================================
 thread               work
 ===================  ==============================================================
 the caller's         ``stage()``: validation, version counters, the job handed over;
                      ``commit()``: which tag, its future, the commit handed over
-stage thread         plan, open the file in the writer, take staging chunks (the cap's
-                     backpressure) for the copy pool (:mod:`.pipeline`)
-copy pool            the GIL-free copy of each chunk, fed to the writer in file order;
-                     the version check after the last chunk
+stage thread         plan, open the file in the writer, staging chunks (:mod:`.pipeline`)
+copy pool            GIL-free copies of the chunks, fed to the writer; the version check
 writer process       ``torch.save``'s archives into ``O_DIRECT`` files, fsync (``writer/``)
 commit thread        one commit at a time, in request order, through the coordinator:
                      wait for the writes, fsync, publish, ``latest``, retention
@@ -77,7 +74,6 @@ class EngineCore:
         start_timeout: float,
         close_timeout: float,
         staging_bytes: int | None = None,
-        local_ranks: int = 1,
     ) -> None:
         self.directory = directory = parts.catalog.directory
         self.writer, self.catalog = parts.writer, parts.catalog
@@ -88,7 +84,6 @@ class EngineCore:
         self._start_timeout = start_timeout
         self._close_timeout = close_timeout
         self._staging_bytes = staging_bytes
-        self._local_ranks = local_ranks
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -120,9 +115,9 @@ class EngineCore:
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
                 shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
-                cap = self._staging_bytes or default_cap(self._local_ranks)
-                latest = read.latest_bytes(self.directory, found)
-                shm.check_room(latest, self._max_pending, cap, self._staging_bytes is not None)
+                chosen, latest = self._staging_bytes, read.latest_bytes(self.directory, found)
+                cap = chosen or default_cap(self.coordinator.together)
+                shm.check_room(latest, self._max_pending, cap, chosen is not None)
                 self.writer.start(self._start_timeout)
                 self._pipeline = Pipeline(self.tags, self.writer, cap, self._unloadable)
             self.coordinator.arm()

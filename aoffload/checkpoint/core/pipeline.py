@@ -9,8 +9,7 @@ when the copy ends) and hands one job to the pipeline's *stage thread*, which, i
 1. plans the state (:func:`.plan.plan`: ``torch.save``'s pickle, its storages and their
    layout, and a value the default load could not read back: an error with
    ``unloadable="error"``, else a warning at the fence);
-2. waits for its tag's place among the ``max_pending`` tags in flight
-   (:meth:`.tags.Tags.wait_slot`);
+2. waits for its tag's place among the ``max_pending`` tags (:meth:`.tags.Tags.wait_slot`);
 3. opens the file in the writer (one :class:`WriteRecords` whose parts are all
    :class:`Streamed`), then takes a chunk of the staging pool for each piece of the file
    in turn (:meth:`.staging.StagingPool.take`: it blocks while every chunk holds bytes the
@@ -24,8 +23,7 @@ the cap streams through it. The thread that copies the last chunk compares every
 tensor's version counter with the one recorded at ``stage()`` and resolves the job's
 ``staged`` future: the fence returns when the last chunk is copied. The writer answers
 the file's :class:`WriteRecords` once its last byte is written and fsynced (``written``).
-No step waits for the event loop: after a step that blocks the loop longer than the
-streaming, ``await staged`` finds it done.
+No step waits for the event loop: after a step longer than the streaming, the fence is free.
 
 A failure (a copy, the version check, the writer) stops the file: no more chunks are
 taken, the writer is told to drop the file (:class:`AbortFile`), and once the copy has
@@ -208,11 +206,19 @@ class _FileStream:
     def __init__(
         self, pipeline: Pipeline, job: FileJob, planned: Plan, events: Events, reading: Reading
     ) -> None:
-        self._pipeline, self._job, self._plan, self._reading = pipeline, job, planned, reading
+        self._pipeline, self._job, self._reading = pipeline, job, reading
+        self._plan: Plan | None = planned
         self._writer = pipeline._writer
         self._pool = pipeline.staging
         self._copy = StreamCopy(planned, events)
         self._path = str(job.open_tag.tmpdir / job.name)
+        record = TorchRecord(  # every part streamed: fed chunk by chunk as it is copied
+            Streamed(planned.pickle_nbytes),
+            tuple(Streamed(storage.numel()) for storage in planned.storages),
+            tuple(Blob(at, Streamed(len(value))) for at, value in planned.blobs),
+        )
+        root = str(job.open_tag.tmpdir.parent)
+        self._message = WriteRecords(self._path, (record,), root=root)
         self._lock = threading.Lock()
         self._ready: dict[int, tuple[Chunk, int]] = {}  # copied, not yet fed
         self._fed = 0  # chunks handed to the writer, in order
@@ -257,15 +263,7 @@ class _FileStream:
             self._end()
 
     def _open(self) -> None:
-        planned = self._plan
-        record = TorchRecord(
-            Streamed(planned.pickle_nbytes),
-            tuple(Streamed(storage.numel()) for storage in planned.storages),
-            tuple(Blob(at, Streamed(len(value))) for at, value in planned.blobs),
-        )
-        directory = str(self._job.open_tag.tmpdir.parent)
-        message = WriteRecords(self._path, (record,), root=directory)
-        self._writer.submit_callback(message, self._written)
+        self._writer.submit_callback(self._message, self._written)
 
     # -- the copy threads -----------------------------------------------------------------
 
@@ -332,11 +330,13 @@ class _FileStream:
             self._pool.peak / 2**20,
         )
         self._copy.release()
-        if self._failure is None:
+        planned, self._plan = self._plan, None  # the state is the caller's again
+        if self._failure is None and planned is not None:
             try:
-                check_versions(self._plan, self._job.name)
+                check_versions(planned, self._job.name)
             except BaseException as exc:  # noqa: BLE001 - the job's futures carry it
                 self._fail(exc)
+        del planned
         with self._lock:
             staged = self._failure is None
             if staged:

@@ -176,10 +176,14 @@ class Segment:
             logger.warning("munmap of staging segment %s: %s", self.path, os.strerror(errno))
 
 
-def default_cap(local_ranks: int = 1) -> int:
+def default_cap(ranks: bool = False) -> int:
     """The staging cap of an engine that names none: a quarter of the machine's RAM, and
-    at most half of what ``/dev/shm`` has free (a data loader's workers need it too), both
-    shared among the ``local_ranks`` engines of this node."""
+    at most half of what ``/dev/shm`` has free (a data loader's workers need it too); with
+    ``ranks``, shared among this node's ranks (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks else 1
+    except ValueError:
+        local_ranks = 1
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         info = os.statvfs(shm.SHM_DIR)
