@@ -209,6 +209,40 @@ def test_bad_command_lines_say_what_to_do(
     assert message in capsys.readouterr().err
 
 
+def test_the_memory_section_measures_the_staging_cap(bench_smoke: BenchRun) -> None:
+    """Every figure of #35's goals is there, for the capped and the default engine; the
+    capped engine's staging never exceeded its cap (a count, not a speed); the peers are
+    measured or say why not."""
+    data = bench_smoke.data
+    assert data is not None
+    figures = {(f["system"], f["metric"]): f for f in data["figures"] if f["section"] == "memory"}
+    capped = next(system for system, _ in figures if system.startswith("aoffload, staging_bytes="))
+    for system in (capped, "aoffload, default staging cap"):
+        for metric in (
+            "peak staging memory (CommitResult)",
+            "peak PSS, trainer + its processes",
+            "peak PSS over the trainer before its state",
+            "time to durable, 0 s step",
+            "time to durable / raw O_DIRECT (paired)",
+            "stall after a step longer than the streaming",
+        ):
+            assert (system, metric) in figures, (system, metric)
+    cap = float(capped.split("=")[1].split()[0])
+    assert max(figures[capped, "peak staging memory (CommitResult)"]["samples"]) <= cap
+    for process in ("trainer", "writer"):
+        assert any(
+            system == "aoffload, many saves" and metric.startswith(f"{process} PSS growth")
+            for system, metric in figures
+        ), process
+    skipped = {s["system"] for s in data["skipped"] if s["section"] == "memory"}
+    for peer in ("DCP async_save THREAD", "torch_checkpointing"):
+        assert any(system.startswith(peer) for system, _ in figures) or any(
+            s.startswith(peer) for s in skipped
+        ), peer
+    ratios = {r["name"] for r in data["ratios"] if r["section"] == "memory"}
+    assert "time to durable: capped / uncapped (goal <= 1.15)" in ratios
+
+
 def test_report_labels_few_samples_and_lists_failures() -> None:
     report = Report()
     single = report.add("s", "one", "m", "s", [0.5])

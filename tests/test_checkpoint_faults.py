@@ -169,9 +169,17 @@ async def test_too_little_shared_memory_is_a_clear_error_not_a_sigbus(
 ) -> None:
     # A container's /dev/shm is often 64 MiB; here a real 6 MiB tmpfs stands in for it.
     monkeypatch.setattr("aoffload.checkpoint.format.shm.SHM_DIR", str(small_filesystem))
-    async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
+    big, small = {"w": torch.ones(4096, 1024)}, {"w": torch.ones(256, 1024)}  # 16, 1 MiB
+    # A staging cap larger than /dev/shm can hold fails the save that needs it, clearly.
+    async with aoffload.CheckpointEngine(tmp_path / "ckpt", staging_bytes=16 << 20) as engine:
         with pytest.raises(aoffload.CheckpointError, match=r"shared memory.*--shm-size"):
-            await engine.save({"w": torch.ones(4096, 1024)}, "model.pt", tag="big")  # 16 MiB
+            await engine.save(big, "model.pt", tag="big")
         assert os.listdir(small_filesystem) == []
-        await engine.save({"w": torch.ones(256, 1024)}, "model.pt", tag="small")  # 1 MiB fits
+        await engine.save(small, "model.pt", tag="small")  # fits
         assert (await engine.commit()).tag == "small"
+    # The default cap keeps within what /dev/shm has free: the 16 MiB state streams.
+    async with aoffload.CheckpointEngine(tmp_path / "ckpt") as engine:
+        await engine.save(big, "model.pt", tag="big")
+        result = await engine.commit()
+        assert 0 < result.staging_bytes <= 3 << 20
+        assert torch.equal((await engine.load("model.pt"))["w"], big["w"])

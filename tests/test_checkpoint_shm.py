@@ -89,9 +89,10 @@ async def test_clean_removes_a_dead_trainers_segment(tmp_path: Path) -> None:
     assert not present(dead)
 
 
-async def test_start_refuses_when_shared_memory_cannot_hold_max_pending_checkpoints(
-    tmp_path: Path,
-) -> None:
+async def test_start_refuses_a_staging_cap_shared_memory_cannot_hold(tmp_path: Path) -> None:
+    """A latest checkpoint larger than /dev/shm no longer stops a start (the default cap
+    keeps within it, and a larger state streams through); a cap chosen larger than what
+    /dev/shm has free, for checkpoints that large, is refused at start, naming the fix."""
     async with aoffload.CheckpointEngine(tmp_path, durable=False) as engine:
         await engine.save({"w": torch.ones(4)}, "m.pt", tag="t")
         await engine.commit("t")
@@ -100,8 +101,11 @@ async def test_start_refuses_when_shared_memory_cannot_hold_max_pending_checkpoi
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["m.pt"]["bytes"] = 1 << 50
     manifest_path.write_text(json.dumps(manifest))
-    engine = aoffload.CheckpointEngine(tmp_path, durable=False, max_pending=2)
+    engine = aoffload.CheckpointEngine(tmp_path, durable=False, staging_bytes=1 << 49)
     with pytest.raises(aoffload.CheckpointError, match=r"--shm-size") as caught:
         await engine.astart()
-    assert "max_pending=2" in str(caught.value)
+    assert f"staging_bytes={1 << 49}" in str(caught.value)
     assert engine.pid is None  # nothing was left running
+    async with aoffload.CheckpointEngine(tmp_path, durable=False, max_pending=2) as engine:
+        await engine.save({"w": torch.ones(4)}, "m.pt", tag="u")
+        await engine.commit("u")

@@ -88,13 +88,13 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_server(tmp_path: Path) -> N
         try:
             assert trainer.stdout is not None
             idle, busy = map(int, trainer.stdout.readline().split())
-            server = parent_of(idle)
-            assert parent_of(busy) == server
-            assert parent_of(server) == trainer.pid
+            # the writer's server imports no torch, the echo worker's does: two servers
+            servers = {parent_of(idle), parent_of(busy)}
+            assert all(parent_of(server) == trainer.pid for server in servers)
             os.kill(trainer.pid, signal.SIGKILL)
             trainer.wait(30)
             # The idle worker sees EOF at once; the busy one is killed after the server's grace.
-            assert _wait_gone([idle, busy, server], forkserver.GRACE + 30) == []
+            assert _wait_gone([idle, busy, *servers], forkserver.GRACE + 30) == []
         finally:
             trainer.kill()
     left = [n for n in os.listdir(census.SHM_DIR) if f"-{trainer.pid}-" in n or f"-{busy}-" in n]

@@ -37,6 +37,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from .._errors import ClosedError, RemoteError, WorkerDiedError, WorkerStartupError, describe_exit
+from .launcher import PRELOAD
 from .process import WorkerProcess
 from .protocol import Call, Failure, LogEvent, Ready, Reply, Request, Shutdown, StartupFailed
 from .threads import DaemonThreadExecutor, mark_retrieved, running_future
@@ -82,9 +83,17 @@ class WorkerCore:
     code once the process is reaped.
     """
 
-    def __init__(self, target: str, config: object, *, name: str, close_timeout: float) -> None:
+    def __init__(
+        self,
+        target: str,
+        config: object,
+        *,
+        name: str,
+        close_timeout: float,
+        preload: tuple[str, ...] = PRELOAD,
+    ) -> None:
         self.name = name
-        self._process = WorkerProcess(target, config, name=name)
+        self._process = WorkerProcess(target, config, name=name, preload=preload)
         self._close_timeout = close_timeout
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()

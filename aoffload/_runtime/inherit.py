@@ -91,10 +91,14 @@ class ServerKey:
     nice: int
     limits: tuple[tuple[int, int, int], ...]
     cgroup: str
+    preload: tuple[str, ...] = ("torch",)
+    """What the server imports first (its workers then have it for free): torch, for all
+    but the workers that never need it (a checkpoint engine's writer)."""
 
     @classmethod
-    def current(cls, executable: str) -> ServerKey:
-        """The key of a start from the calling thread, now."""
+    def current(cls, executable: str, preload: tuple[str, ...] = ("torch",)) -> ServerKey:
+        """The key of a start from the calling thread, now, of a server importing
+        ``preload``."""
         environ = tuple(
             sorted(
                 (name, value)
@@ -111,6 +115,7 @@ class ServerKey:
             nice=os.getpriority(os.PRIO_PROCESS, 0),  # Linux: the calling thread's
             limits=_limits(),
             cgroup=_cgroup(),
+            preload=preload,
         )
 
     def differences(self, other: ServerKey) -> list[str]:
@@ -122,7 +127,7 @@ class ServerKey:
         names += sorted(
             name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name)
         )
-        for field in ("affinity", "policy", "priority", "nice", "limits", "cgroup"):
+        for field in ("affinity", "policy", "priority", "nice", "limits", "cgroup", "preload"):
             if getattr(self, field) != getattr(other, field):
                 names.append(field)
         return names

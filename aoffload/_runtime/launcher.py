@@ -41,7 +41,8 @@ __all__ = ["PRELOAD", "WorkerServer", "fork_worker", "servers"]
 logger = logging.getLogger(__name__)
 
 PRELOAD = ("torch",)
-"""What a server imports first, each timed (aoffload itself, and all it imports, follow)."""
+"""What a server imports first, each timed (aoffload itself, and all it imports, follow),
+unless a start asks for a server without it (:func:`fork_worker`'s ``preload``)."""
 
 _MAX_SERVERS = 3  # servers of other keys are closed (once idle) beyond this many
 _ID = struct.Struct("<Q")
@@ -95,7 +96,7 @@ class WorkerServer:
         """Start the server process (it boots, importing torch, while starts queue up)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         path = [os.fspath(entry) for entry in sys.path if isinstance(entry, (str, os.PathLike))]
-        code = _BOOTSTRAP.format(path=path, preload=PRELOAD)
+        code = _BOOTSTRAP.format(path=path, preload=self.key.preload)
         flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
         args = [self.key.executable, *flags, "-c", code, str(theirs.fileno()), str(os.getpid())]
         try:
@@ -207,7 +208,10 @@ class WorkerServer:
                 ", ".join(
                     f"{name} {later - earlier:.2f} s"
                     for name, earlier, later in zip(
-                        [*PRELOAD, "aoffload", "hello"], stamps, stamps[1:], strict=False
+                        [*self.key.preload, "aoffload", "hello"],
+                        stamps,
+                        stamps[1:],
+                        strict=False,
                     )
                 ),
             )
@@ -318,13 +322,15 @@ def _ask(server: WorkerServer, fds: list[int]) -> ForkedWorker:
     return child
 
 
-def fork_worker(fds: list[int]) -> ForkedWorker:
-    """Have a worker forked with ``fds`` (its request reader, reply writer, stderr).
+def fork_worker(fds: list[int], preload: tuple[str, ...] = PRELOAD) -> ForkedWorker:
+    """Have a worker forked with ``fds`` (its request reader, reply writer, stderr), by a
+    server that imported ``preload`` first (``()``: a worker that needs no torch gets a
+    server, and a process, without it).
 
     Returns at once (the first start of a process returns while its server still boots).
     Raises :class:`WorkerStartupError` if no server can be started or reached.
     """
-    key = ServerKey.current(_executable())
+    key = ServerKey.current(_executable(), preload)
     server = _server_for(key)
     try:
         return _ask(server, fds)

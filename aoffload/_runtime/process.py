@@ -31,7 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 from .._errors import WorkerStartupError
 from .forked import ForkedWorker
 from .inherit import StartState
-from .launcher import fork_worker
+from .launcher import PRELOAD, fork_worker
 from .serve import Boot
 
 __all__ = ["WorkerProcess"]
@@ -54,10 +54,13 @@ def _from_main(target: str, config: object) -> str | None:
 class WorkerProcess:
     """The process serving ``target`` with ``config``, and its two pipes."""
 
-    def __init__(self, target: str, config: object, *, name: str) -> None:
+    def __init__(
+        self, target: str, config: object, *, name: str, preload: tuple[str, ...] = PRELOAD
+    ) -> None:
         self.name = name
         self._target = target
         self._config = config
+        self._preload = preload
         self._child: ForkedWorker | None = None
 
     @property
@@ -100,7 +103,7 @@ class WorkerProcess:
             os.fstat(2)
             fds.append(2)  # the worker's stderr is the trainer's as of this start
         try:
-            self._child = fork_worker(fds)
+            self._child = fork_worker(fds, self._preload)
         except BaseException:
             for end in (request_writer, reply_reader):
                 end.close()

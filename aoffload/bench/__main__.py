@@ -28,6 +28,7 @@ SECTIONS = (
     "remote",
     "preemption",
     "dcp",
+    "memory",
 )
 
 
@@ -292,6 +293,10 @@ def _run_section(section: str, report: Report, args: argparse.Namespace, size_gi
         from . import _dcp
 
         _dcp.run(report, quick=args.quick, smoke=args.smoke, size_gib=size_gib, directory=args.dir)
+    elif section == "memory":
+        from . import _memory
+
+        _memory.run(report, quick=args.quick, smoke=args.smoke, directory=args.dir)
     elif section == "looplag":
         from . import _looplag
 

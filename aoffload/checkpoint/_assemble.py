@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .._runtime.core import WorkerCore
+from .._runtime.launcher import PRELOAD
 from ._options import EngineOptions
 from .core.alone import Alone, LocalTier
 from .core.catalog import Catalog
@@ -57,8 +58,15 @@ def assemble(options: EngineOptions) -> Assembly:
     writer = None
     if options.writer:
         config = WriterConfig(durable=options.durable, direct_io=options.direct_io)
+        # The write path needs no torch: the writer's process is spared its import (and
+        # its memory), but where a dead trainer's writer must tell its peers through
+        # torch.distributed at once.
         writer = WorkerCore(
-            TARGET, config, name="checkpoint-writer", close_timeout=options.close_timeout
+            TARGET,
+            config,
+            name="checkpoint-writer",
+            close_timeout=options.close_timeout,
+            preload=PRELOAD if options.distributed else (),
         )
     rendezvous = None
     if options.distributed:
@@ -85,6 +93,7 @@ def assemble(options: EngineOptions) -> Assembly:
         start_timeout=options.start_timeout,
         close_timeout=options.close_timeout,
         commit_timeout=options.commit_timeout,
+        staging_bytes=options.staging_bytes,
     )
     return Assembly(core, lambda signals: PreemptionNotice(signals, rendezvous))
 

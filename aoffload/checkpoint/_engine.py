@@ -48,8 +48,8 @@ class CheckpointEngine(Resource):
     awaits the same :class:`~aoffload.Handle`. See :meth:`stage`, :meth:`save`,
     :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
     keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
-    checkpoints staged but not yet durable (each holds staging memory the size of its
-    tensors). ``writer=False`` makes a replica that validates names and writes nothing.
+    checkpoints staged but not yet durable. ``writer=False`` makes a replica that
+    validates names and writes nothing.
     ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
     manifest records a sequence number one above the highest found in ``directory``.
 
@@ -59,6 +59,20 @@ class CheckpointEngine(Resource):
     ``commit()`` are collectives, each rank saves its own files, and ``commit_timeout``
     also bounds the wait for a rank whose writer never reports (a blocked event loop
     never counts: reports come from a thread).
+
+    ``staging_bytes`` is a hard cap on this engine's shared staging memory (per rank),
+    shared by every checkpoint in flight. A state larger than the cap streams through it:
+    each tensor is copied chunk by chunk into free staging memory, the writer writes each
+    chunk as it is copied and frees it for the next; the snapshot stays exact (every
+    tensor's version counter is checked once its last chunk is copied, and again at the
+    fence). The fence returns when the last chunk is copied, so it stalls a step shorter
+    than the streaming (about ``(state - cap) / disk write rate``) by what is left of it,
+    and a longer step not at all; a state that fits under the cap stages whole at memory
+    speed. The default (``None``) is a quarter of the machine's RAM and at most half of
+    what ``/dev/shm`` has free, divided among the node's ranks (``LOCAL_WORLD_SIZE``)
+    with ``distributed=True``; staging memory grows only as far as needed, so a state
+    that fits stages as before the cap. :class:`CommitResult` reports it
+    (``staging_bytes``, ``staging_peak_bytes``); see ``docs/checkpoints.md``.
 
     ``unloadable`` says what to do with a staged value that the default
     ``load(weights_only=True)`` could not read back (``np.random.get_state()``, a
@@ -105,6 +119,7 @@ class CheckpointEngine(Resource):
         upload_timeout: float = 600.0,
         early_uploads: bool = False,
         upload_backoff: float = 0.5,
+        staging_bytes: int | None = None,
     ) -> None:
         options = EngineOptions(
             directory=Path(directory),
@@ -123,6 +138,7 @@ class CheckpointEngine(Resource):
             upload_timeout=upload_timeout,
             early_uploads=early_uploads,
             upload_backoff=upload_backoff,
+            staging_bytes=staging_bytes,
         )
         parts = assemble(options)
         self._core = parts.core

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .core.loadable import UNLOADABLE, Unloadable
+from .core.staging import MIN_STAGING
 from .format.layout import is_url
 
 __all__ = ["EngineOptions"]
@@ -40,6 +41,7 @@ class EngineOptions:
     upload_timeout: float = 600.0
     early_uploads: bool = False
     upload_backoff: float = 0.5  # checked by the uploader's config (remote/worker/calls.py)
+    staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.unloadable not in UNLOADABLE:
@@ -51,6 +53,14 @@ class EngineOptions:
             raise ValueError(f"keep_last must be None or an int >= 1, not {keep_last!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, not {max_pending!r}")
+        staging = self.staging_bytes
+        if staging is not None and (
+            not isinstance(staging, int) or isinstance(staging, bool) or staging < MIN_STAGING
+        ):
+            raise ValueError(
+                f"staging_bytes must be None (the default cap) or an int >= {MIN_STAGING} "
+                f"(1 MiB), not {staging!r}"
+            )
         if not self.commit_timeout > 0:
             raise ValueError(f"commit_timeout must be > 0 seconds, not {self.commit_timeout!r}")
         if self.remote is not None:

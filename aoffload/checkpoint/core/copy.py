@@ -1,14 +1,16 @@
-"""The staging copy: a pool of threads sized to the cores, copying in chunks without the GIL.
+"""The staging copy: a pool of threads sized to the cores, copying chunks without the GIL.
 
-One copy job takes a :class:`~.plan.Plan` into its staging :class:`~.staging.Region`. The
-first pool thread to take the job cuts it into pieces: the pickle's chunks, its large
-``bytes`` values and each whole CPU storage in :data:`CHUNK`-byte ``memmove`` calls, which
-release the GIL; the CUDA storages are one piece that queues their
-device-to-host copies on a side stream per device into the pinned segment, ordered after
-the events :func:`stage_events` recorded on the caller's current streams when ``stage()``
-was called. Every thread of the pool then takes pieces until none is left; the last one
-waits for the CUDA copies (blocking on their events, without the GIL), compares each
-tensor's version counter with the one planned, and resolves the job's future.
+A file is staged as a *stream*: its plan's pickle, its large ``bytes`` values and its
+storages, one after the other, in the order the writer takes them
+(:class:`StreamCopy`). The stream is copied chunk by chunk into the staging pool's chunks
+(:mod:`.staging`); each chunk is one task of the :class:`CopyPool`, so the pool's threads
+copy different chunks side by side. Host memory is copied with ``ctypes.memmove``, which
+releases the GIL; a CUDA storage's part of a chunk is a device-to-host copy on a side
+stream per device into the pinned segment, ordered after the events
+:func:`stage_events` recorded on the caller's current streams when ``stage()`` was
+called, and the copying thread waits for it (blocking on an event, without the GIL).
+:func:`check_versions` compares each tensor's version counter with the one planned, once
+the last chunk is copied.
 
 Nothing here changes torch's thread count, which would change it for the trainer too.
 The pool's threads run as background work (Linux's ``SCHED_BATCH``, through
@@ -18,14 +20,11 @@ preempt them when they wake up, yet on a busy host they keep a normal thread's s
 
 from __future__ import annotations
 
-import concurrent.futures
+import bisect
 import ctypes
-import functools
-import itertools
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -37,12 +36,13 @@ from ..._runtime.threads import background_policy
 
 if TYPE_CHECKING:
     from .plan import Plan
-    from .staging import Region
+    from .staging import Chunk
 
-__all__ = ["CHUNK", "CopyPool", "stage_events"]
+__all__ = ["CHUNK", "CopyPool", "Events", "StreamCopy", "check_versions", "stage_events"]
 
 CHUNK = 8 << 20
-"""Bytes per ``memmove`` piece: small enough to share a tensor among the threads."""
+"""Bytes per ``memmove`` piece of a whole-state copy (the DCP stager's): small enough to
+share a tensor among the threads."""
 
 Events = dict[int, "torch.cuda.Event"]
 
@@ -61,130 +61,108 @@ def stage_events() -> Events:
     }
 
 
-def _pieces(target: int, source: int, nbytes: int) -> list[Callable[[], object]]:
-    return [
-        functools.partial(ctypes.memmove, target + at, source + at, min(CHUNK, nbytes - at))
-        for at in range(0, nbytes, CHUNK)
-    ]
+class StreamCopy:
+    """The bytes of one planned file as one stream, copied into staging chunks.
 
+    The stream is the plan's pickle, then its blobs, then its storages (the order of the
+    :class:`~..writer.calls.TorchRecord` the writer takes): :attr:`nbytes` in all.
+    :meth:`copy` copies any range of it; it may run on several threads at once.
+    """
 
-class _Job:
-    """One plan copied into one region by every thread of a pool."""
-
-    def __init__(self, region: Region, plan: Plan, events: Events, name: str) -> None:
-        self.future: concurrent.futures.Future[float] = concurrent.futures.Future()
-        self._region, self._plan, self._events, self._name = region, plan, events, name
-        self._pieces: list[Callable[[], object]] = []
+    def __init__(self, plan: Plan, events: Events) -> None:
+        self._starts: list[int] = []
+        self._sources: list[int | torch.Tensor] = []  # an address, or a CUDA storage
         self._keep: list[np.ndarray] = []  # the pickle's buffers, alive until copied
-        self._next = itertools.count()  # atomic under the GIL: each piece is taken once
+        self._events = events
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-        self._active = 0
-        self._error: BaseException | None = None
-        self._cuda_done: list[torch.cuda.Event] = []
-        self._started = time.perf_counter()
+        at = 0
+        for piece in (*plan.pickle, *(value for _, value in plan.blobs)):
+            buffer = np.frombuffer(piece, dtype=np.uint8)
+            if buffer.size:
+                self._keep.append(buffer)
+                self._starts.append(at)
+                self._sources.append(buffer.ctypes.data)
+                at += buffer.size
+        for storage in plan.storages:  # a flat uint8 tensor over a whole storage
+            if storage.numel():
+                self._starts.append(at)
+                self._sources.append(storage if storage.is_cuda else storage.data_ptr())
+                at += storage.numel()
+        self._ends = [*self._starts[1:], at]
+        self.nbytes = at
 
-    def start(self, pool: CopyPool) -> None:
-        """Cut the job into pieces (off the loop: it grows with the state), then help."""
-        try:
-            self._prepare()
-        except BaseException as exc:  # noqa: BLE001 - resolves the job's future
-            self._error = exc
-        helpers = max(0, min(pool.size, len(self._pieces)) - 1) if self._error is None else 0
-        self._active = 1 + helpers  # nobody else runs this job yet
-        for _ in range(helpers):
-            pool.put(self.help)
-        self.help()
-
-    def help(self) -> None:
-        """Copy pieces until none is left; the last thread out finishes the job."""
-        pieces = self._pieces
-        while self._error is None and (index := next(self._next)) < len(pieces):
-            try:
-                pieces[index]()
-            except BaseException as exc:  # noqa: BLE001 - resolves the job's future
-                self._error = exc
-        with self._lock:
-            self._active -= 1
-            last = self._active == 0
-        if last:
-            self._finish()
-
-    def _prepare(self) -> None:
-        array = self._region.segment.array
+    def copy(self, at: int, chunk: Chunk) -> int:
+        """Copy the stream's bytes from ``at`` into ``chunk`` (as many as it holds or the
+        stream has left); the count. Blocks, without the GIL for host memory."""
+        nbytes = min(chunk.nbytes, self.nbytes - at)
+        array = chunk.segment.array
         if array is None:
             raise ClosedError("the checkpoint engine's staging memory was released")
-        base = array.data_ptr() + self._region.offset
-        position = base
-        for piece in self._plan.pickle:
-            buffer = np.frombuffer(piece, dtype=np.uint8)
-            self._keep.append(buffer)
-            self._pieces += _pieces(position, buffer.ctypes.data, buffer.size)
-            position += buffer.size
-        for (_, value), offset in zip(self._plan.blobs, self._plan.blob_offsets, strict=True):
-            buffer = np.frombuffer(value, dtype=np.uint8)
-            self._keep.append(buffer)
-            self._pieces += _pieces(base + offset, buffer.ctypes.data, buffer.size)
-        cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        plan = self._plan
-        for source, offset in zip(plan.storages, plan.storage_offsets, strict=True):
-            nbytes = source.numel()  # a flat uint8 tensor over a whole storage
-            if nbytes == 0:
-                continue
-            start = self._region.offset + offset
-            if source.is_cuda:
-                cuda.append((array[start : start + nbytes], source))
+        base = array.data_ptr() + chunk.offset
+        done: list[torch.cuda.Event] = []
+        index = bisect.bisect_right(self._starts, at) - 1
+        while nbytes and index < len(self._starts) and self._starts[index] < at + nbytes:
+            start, end, source = self._starts[index], self._ends[index], self._sources[index]
+            lo, hi = max(start, at), min(end, at + nbytes)
+            if isinstance(source, int):
+                ctypes.memmove(base + lo - at, source + lo - start, hi - lo)
             else:
-                self._pieces += _pieces(array.data_ptr() + start, source.data_ptr(), nbytes)
-        if cuda:  # first, so that the device copies overlap the host ones
-            self._pieces.insert(0, functools.partial(self._copy_cuda, cuda))
+                target = array[chunk.offset + lo - at : chunk.offset + hi - at]
+                done.append(self._copy_cuda(chunk, target, source[lo - start : hi - start]))
+            index += 1
+        for event in done:
+            event.synchronize()  # blocks this thread, without the GIL; no polling
+        return nbytes
 
-    def _copy_cuda(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._region.segment.pin()
-        streams: dict[torch.device, torch.cuda.Stream] = {}
-        for target, source in copies:
-            stream = streams.get(source.device)
+    def _copy_cuda(
+        self, chunk: Chunk, target: torch.Tensor, source: torch.Tensor
+    ) -> torch.cuda.Event:
+        chunk.segment.pin()
+        with self._lock:
+            stream = self._streams.get(source.device)
             if stream is None:
-                stream = streams[source.device] = torch.cuda.Stream(source.device)  # type: ignore[no-untyped-call]
+                stream = torch.cuda.Stream(source.device)  # type: ignore[no-untyped-call]
+                self._streams[source.device] = stream
                 event = self._events.get(source.device.index or 0)
                 if event is not None:
                     stream.wait_event(event)
-            with torch.cuda.stream(stream):
-                target.copy_(source, non_blocking=True)
-            source.record_stream(stream)  # the allocator keeps it until the copy is done
-        self._cuda_done = [stream.record_event() for stream in streams.values()]
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        source.record_stream(stream)  # the allocator keeps it until the copy is done
+        done: torch.cuda.Event = stream.record_event()
+        return done
 
-    def _finish(self) -> None:
-        try:
-            for done in self._cuda_done:
-                done.synchronize()  # blocks this thread, without the GIL; no polling
-            if self._error is not None:
-                raise self._error
-            self._check_versions()
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
-            self.future.set_exception(exc)
-        else:
-            self.future.set_result(time.perf_counter() - self._started)
-        finally:
-            self._pieces, self._keep = [], []
+    def release(self) -> None:
+        """Drop the references to the state's memory (the copy has ended)."""
+        self._keep, self._sources = [], []
 
-    def _check_versions(self) -> None:
-        moved = self._plan.modified()
-        if moved is None:
-            return
-        key, before, after = moved
-        raise CheckpointError(
-            f"cannot save {self._name!r}: {key} was modified in place while it was being "
-            f"staged (its version counter moved from {before} to {after}); nothing of this "
-            "file was written. Do not modify staged tensors until `await staged` (or save()) "
-            "has returned"
-        )
+
+def check_versions(plan: Plan, name: str) -> None:
+    """Raise :class:`CheckpointError` naming the first tensor of ``plan`` modified in place
+    since its version counter was recorded (the copy threads, once the last chunk is in)."""
+    moved = plan.modified()
+    if moved is None:
+        return
+    key, before, after = moved
+    raise CheckpointError(
+        f"cannot save {name!r}: {key} was modified in place while it was being staged (its "
+        f"version counter moved from {before} to {after}); the file is not written. Do not "
+        "modify staged tensors until `await staged` (or save()) has returned"
+    )
 
 
 class CopyPool:
-    """Daemon threads, one per core this process may run on, that run copy jobs."""
+    """Daemon threads that run copy tasks: one per core this process may run on but one.
+
+    The writer drains the chunks while they are copied, and it needs a core to do so: on a
+    2-core machine two copy threads left it none and made the time to durable of 1 GiB
+    about 1.3x that of one thread, whose copy was as fast (memory bandwidth, not cores,
+    bounds a copy). A machine of one core gets one thread.
+    """
 
     def __init__(self, size: int | None = None) -> None:
-        self.size = size if size is not None else len(os.sched_getaffinity(0))
+        self.size = size if size is not None else max(1, len(os.sched_getaffinity(0)) - 1)
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"aoffload-copy-{i}", daemon=True)
@@ -192,14 +170,6 @@ class CopyPool:
         ]
         for thread in self._threads:
             thread.start()
-
-    def copy(
-        self, region: Region, plan: Plan, events: Events, name: str
-    ) -> concurrent.futures.Future[float]:
-        """Copy ``plan`` into ``region``; the future gives the seconds it took."""
-        job = _Job(region, plan, events, name)
-        self.put(functools.partial(job.start, self))
-        return job.future
 
     def put(self, work: Callable[[], None]) -> None:
         """Queue ``work`` for the next free thread."""

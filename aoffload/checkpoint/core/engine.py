@@ -1,19 +1,18 @@
 """The checkpoint engine itself, as any thread sees it: synchronous and thread-safe.
 
-:class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all
-the work; nothing in it needs an event loop. :class:`~aoffload.CheckpointEngine` is its
-face for both kinds of trainer. It is one process writing one local directory: who else
-takes part in a commit (a :class:`~.roles.Coordinator`) and what stands behind the
-directory (a :class:`~.roles.Tier`) are handed to it by the assembler, so nothing here
-asks which features the engine has.
+:class:`EngineCore` owns everything a checkpoint engine is made of, and its threads do all the
+work; nothing in it needs an event loop. :class:`~aoffload.CheckpointEngine` is its face for
+both kinds of trainer. It is one process writing one local directory: who else takes part in
+a commit (a :class:`~.roles.Coordinator`) and what stands behind the directory (a
+:class:`~.roles.Tier`) are handed to it by the assembler: nothing here asks about features.
 
 ===================  ==============================================================
 thread               work
 ===================  ==============================================================
 the caller's         ``stage()``: validation, version counters, the job handed over;
                      ``commit()``: which tag, its future, the commit handed over
-stage thread         plan, wait for a staging slot, reserve space (:mod:`.pipeline`)
-copy pool            the GIL-free copy, the version check, the hand-off to the writer
+stage thread         plan, open the file in the writer, staging chunks (:mod:`.pipeline`)
+copy pool            GIL-free copies of the chunks, fed to the writer; the version check
 writer process       ``torch.save``'s archives into ``O_DIRECT`` files, fsync (``writer/``)
 commit thread        one commit at a time, in request order, through the coordinator:
                      wait for the writes, fsync, publish, ``latest``, retention
@@ -43,7 +42,7 @@ from . import closing
 from .load import MapLocation, load_from
 from .pipeline import Pipeline
 from .result import CommitResult
-from .staging import SlotPool
+from .staging import SlotPool, default_cap
 from .tags import Tags
 
 if TYPE_CHECKING:
@@ -75,6 +74,7 @@ class EngineCore:
         start_timeout: float,
         close_timeout: float,
         commit_timeout: float = 300.0,
+        staging_bytes: int | None = None,
     ) -> None:
         self.directory = directory = parts.catalog.directory
         self.writer, self.catalog = parts.writer, parts.catalog
@@ -85,6 +85,7 @@ class EngineCore:
         self._start_timeout = start_timeout
         self._close_timeout = close_timeout
         self._commit_timeout = commit_timeout
+        self._staging_bytes = staging_bytes
         self._pipeline: Pipeline | None = None
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
@@ -116,9 +117,11 @@ class EngineCore:
             self._loads = DaemonThreadExecutor("aoffload-load")
             if self.writer is not None:
                 shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
-                shm.check_room(read.latest_bytes(self.directory, found), self._max_pending)
+                chosen, latest = self._staging_bytes, read.latest_bytes(self.directory, found)
+                cap = chosen or default_cap(self.coordinator.together)
+                shm.check_room(latest, self._max_pending, cap, chosen is not None)
                 self.writer.start(self._start_timeout)
-                self._pipeline = Pipeline(self.tags, self.writer, self._unloadable)
+                self._pipeline = Pipeline(self.tags, self.writer, cap, self._unloadable)
             self.coordinator.arm()
         except BaseException:
             self.close()

@@ -29,6 +29,11 @@ class CommitResult:
     were durable and published. A replica (``writer=False``) gets zero files.
     ``metadata`` is the commit's metadata as stored in the manifest (rank 0's, on every
     rank of a distributed engine); empty when the commit had none.
+
+    ``staging_bytes``: the shared staging memory this engine held when the tag was staged
+    (never more than its ``staging_bytes=`` cap); ``staging_peak_bytes``: the most of it
+    that held data not yet written, at once, since the engine started. Both are this
+    process's; 0 for a tag this engine did not stage.
     """
 
     tag: str
@@ -39,6 +44,8 @@ class CommitResult:
     write_seconds: float
     commit_seconds: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    staging_bytes: int = 0
+    staging_peak_bytes: int = 0
 
     @property
     def write_gb_per_second(self) -> float:
@@ -74,6 +81,8 @@ def committed(
         write_seconds=sum(record.seconds for record in records.values()),
         commit_seconds=time.perf_counter() - started,
         metadata=dict(metadata or {}),
+        staging_bytes=open_tag.staging_bytes,
+        staging_peak_bytes=open_tag.staging_peak,
     )
 
 

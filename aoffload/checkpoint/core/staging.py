@@ -1,15 +1,25 @@
-"""Staging memory for checkpoints: shared-memory segments the trainer fills and the writer reads.
+"""Staging memory for checkpoints: shared-memory chunks the trainer fills and the writer drains.
 
 A :class:`Segment` is a file in ``/dev/shm`` mapped by the trainer; the writer maps it
 once (a MAP request) and the trainer unlinks the name as soon as the writer has it
 mapped, so from then on nothing in ``/dev/shm`` can outlive the two processes. Until
 then the trainer unlinks it on close and on every failure path.
 
-A :class:`Slot` holds the segments of one staged-not-yet-durable checkpoint. Slots are
-reused checkpoint after checkpoint (a warm copy into mapped pages runs several times
-faster than into fresh ones); a slot grows a segment only when a file does not fit in
-the space it already has. ``max_pending`` slots bound the engine's memory; which tag holds
-which slot, and who waits for one, is :mod:`.tags`'s.
+:class:`StagingPool` is all of an engine's staging memory: segments cut into
+:class:`Chunk` s of :attr:`StagingPool.chunk` bytes, at most ``staging_bytes`` in all
+(the cap), shared by every tag in flight. A file streams through it: the stage thread
+takes a free chunk for each piece of the file (:meth:`StagingPool.take`, which blocks
+while every chunk holds data the writer has not written yet: backpressure), a copy
+thread fills it, the writer writes it and the chunk is given back
+(:meth:`StagingPool.give`) for the next piece. The pool grows a segment only when no
+chunk is free and the cap leaves room, by what the file still needs, so a state that
+fits under the cap stages whole, as it did before the cap; the chunks are reused
+checkpoint after checkpoint (a warm copy into mapped pages runs several times faster
+than into fresh ones) and the pool never shrinks, so its memory stays flat over a long
+run. It counts the bytes in use (holding data not yet written) and their peak.
+
+A :class:`Slot` is a tag's place among the ``max_pending`` tags in flight (which tag
+holds which, and who waits for one, is :mod:`.tags`'s); it holds no memory.
 """
 
 from __future__ import annotations
@@ -21,22 +31,34 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..._errors import CheckpointError
+from ..._errors import CheckpointError, ClosedError
 from ..format import shm
-from .plan import aligned
 
-__all__ = ["Region", "Segment", "Slot", "SlotPool"]
+__all__ = ["MIN_STAGING", "Chunk", "Segment", "Slot", "SlotPool", "StagingPool", "default_cap"]
 
 logger = logging.getLogger(__name__)
 
-_MIN_SEGMENT = 1 << 20
+_MAX_SEGMENT = 1 << 30  # bytes a pool grows by at most at once
+_MAX_CHUNK = 8 << 20
+_MIN_CHUNK = 64 << 10
+MIN_STAGING = 1 << 20
+"""The smallest ``staging_bytes`` an engine takes."""
 _names = itertools.count()
+
+
+def _round_up(nbytes: int, to: int) -> int:
+    return -(-nbytes // to) * to
+
+
+_pinning = threading.Lock()
 
 # libc's mmap, madvise and munmap through ctypes, which releases the GIL around each call:
 # unmapping a GiB segment takes 70-180 ms, and Python's mmap.close() holds the GIL for all
@@ -73,7 +95,7 @@ class Segment:
     """One shared-memory file mapped read-write in the trainer."""
 
     def __init__(self, size: int) -> None:
-        self.size = aligned(max(size, _MIN_SEGMENT), mmap.PAGESIZE)
+        self.size = _round_up(max(size, mmap.PAGESIZE), mmap.PAGESIZE)
         directory = shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else None
         if directory is None:
             raise OSError("aoffload needs /dev/shm (a tmpfs) for checkpoint staging memory")
@@ -91,7 +113,8 @@ class Segment:
                 raise CheckpointError(
                     f"checkpoint staging needs {self.size / 2**20:.0f} MiB of shared memory in "
                     f"{directory}, which has {free / 2**20:.0f} MiB free ({exc.strerror}); "
-                    "enlarge it (e.g. `docker run --shm-size=...`) or save smaller files"
+                    "enlarge it (e.g. `docker run --shm-size=...`) or lower the engine's "
+                    "staging_bytes (a larger state streams through it)"
                 ) from exc
             # No MAP_POPULATE: the pages are reserved above, and the first copy (a
             # GIL-free memmove) faults them in on the copy threads.
@@ -103,7 +126,6 @@ class Segment:
             os.close(fd)
         self._linked = True
         self._pinned = False
-        self.used = 0
         buffer = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self._address))
         # Every view of the array keeps ``buffer`` alive through the storage's deleter:
         # while this reference is live the mapping must stay.
@@ -119,6 +141,10 @@ class Segment:
 
     def pin(self) -> None:
         """Page-lock the segment for CUDA so device-to-host copies into it run asynchronously."""
+        with _pinning:
+            self._pin()
+
+    def _pin(self) -> None:
         if self._pinned or self.array is None:
             return
         result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
@@ -150,49 +176,134 @@ class Segment:
             logger.warning("munmap of staging segment %s: %s", self.path, os.strerror(errno))
 
 
+def default_cap(ranks: bool = False) -> int:
+    """The staging cap of an engine that names none: a quarter of the machine's RAM, and
+    at most half of what ``/dev/shm`` has free (a data loader's workers need it too); with
+    ``ranks``, shared among this node's ranks (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks else 1
+    except ValueError:
+        local_ranks = 1
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        info = os.statvfs(shm.SHM_DIR)
+        free = info.f_bavail * info.f_frsize
+    except OSError:
+        free = ram
+    share = min(ram // 4, free // 2) // max(1, local_ranks)
+    return max(MIN_STAGING, share // mmap.PAGESIZE * mmap.PAGESIZE)
+
+
 @dataclass(frozen=True, slots=True)
-class Region:
-    """Where one file's tensors lie: ``segment`` bytes ``[offset, offset + nbytes)``."""
+class Chunk:
+    """``nbytes`` of staging memory at ``offset`` of ``segment``."""
 
     segment: Segment
     offset: int
     nbytes: int
 
 
+class StagingPool:
+    """An engine's staging memory: at most ``cap`` bytes of chunks (see the module).
+
+    ``mapped(segment)`` is called (on the thread that grows the pool, before any chunk of
+    the segment is handed out) for each new segment: the writer must map it. Thread-safe.
+    """
+
+    def __init__(self, cap: int, mapped: Callable[[Segment], None]) -> None:
+        self.cap = cap
+        self.chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, cap // 8 // _MIN_CHUNK * _MIN_CHUNK))
+        self._mapped = mapped
+        self._cond = threading.Condition()
+        self._free: list[Chunk] = []
+        self._segments: list[Segment] = []
+        self._size = 0
+        self._in_use = 0
+        self.peak = 0
+        """The most bytes in use at once since the pool was made."""
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        """Bytes of shared memory the pool holds (mapped), never more than :attr:`cap`."""
+        return self._size
+
+    @property
+    def in_use(self) -> int:
+        """Bytes in chunks that hold data the writer has not written yet."""
+        return self._in_use
+
+    def take(self, wanted: int) -> Chunk:
+        """A free chunk; ``wanted`` is what the file still needs (how much to grow by).
+
+        Blocks while every chunk is in use and the pool is at its cap (backpressure);
+        raises :class:`ClosedError` once the pool is closed.
+        """
+        with self._cond:
+            while not self._free:
+                if self._closed:
+                    raise ClosedError("the checkpoint engine closed while staging waited")
+                if self._size + self.chunk <= self.cap:
+                    self._grow(wanted)
+                    break
+                self._cond.wait()
+            if self._closed:
+                raise ClosedError("the checkpoint engine closed while staging waited")
+            chunk = self._free.pop()
+            self._in_use += chunk.nbytes
+            self.peak = max(self.peak, self._in_use)
+            return chunk
+
+    def _grow(self, wanted: int) -> None:
+        room = (self.cap - self._size) // self.chunk * self.chunk
+        nbytes = min(room, _MAX_SEGMENT, max(self.chunk, _round_up(wanted, self.chunk)))
+        segment = Segment(nbytes)  # its size may round up to a page: use what was asked
+        try:
+            self._mapped(segment)
+        except BaseException:
+            segment.close()
+            raise
+        self._segments.append(segment)
+        self._size += nbytes
+        # the lowest offsets last: they are taken first, and stay the warm ones
+        self._free.extend(
+            Chunk(segment, offset, self.chunk) for offset in reversed(range(0, nbytes, self.chunk))
+        )
+        logger.debug(
+            "staging grew by %.0f MiB to %.0f MiB (cap %.0f MiB)",
+            nbytes / 2**20,
+            self._size / 2**20,
+            self.cap / 2**20,
+        )
+
+    def give(self, chunk: Chunk) -> None:
+        """``chunk``'s data is written (or abandoned): it is free for the next piece."""
+        with self._cond:
+            self._in_use -= chunk.nbytes
+            self._free.append(chunk)
+            self._cond.notify()
+
+    def interrupt(self) -> None:
+        """Wake every waiter, and every later one: they raise :class:`ClosedError`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """:meth:`interrupt`, then unlink and unmap every segment: nothing may copy into
+        the pool's chunks any more (the writer's own mappings stay valid)."""
+        self.interrupt()
+        with self._cond:
+            segments, self._segments, self._free = self._segments, [], []
+        for segment in segments:
+            segment.close()
+
+
 class Slot:
-    """The staging memory of one pending checkpoint, reused after it is durable."""
+    """A tag's place among the ``max_pending`` tags in flight (no memory of its own)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.segments: list[Segment] = []
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of shared memory this slot holds."""
-        return sum(segment.size for segment in self.segments)
-
-    def allocate(self, nbytes: int) -> tuple[Region, Segment | None]:
-        """Reserve ``nbytes``; also return the segment created for it, if one was needed."""
-        for segment in self.segments:
-            if segment.size - segment.used >= nbytes:
-                region = Region(segment, segment.used, nbytes)
-                segment.used += aligned(nbytes)
-                return region, None
-        segment = Segment(nbytes)
-        self.segments.append(segment)
-        segment.used = aligned(nbytes)
-        return Region(segment, 0, nbytes), segment
-
-    def reset(self) -> None:
-        """Make all of the slot's memory free for the next checkpoint."""
-        for segment in self.segments:
-            segment.used = 0
-
-    def close(self) -> None:
-        """Unlink and unmap every segment."""
-        segments, self.segments = self.segments, []
-        for segment in segments:
-            segment.close()
 
 
 class SlotPool:
@@ -207,11 +318,8 @@ class SlotPool:
         return self._free.pop() if self._free else None
 
     def give(self, slot: Slot) -> None:
-        """Make ``slot`` free again (its memory is reused by the next checkpoint)."""
-        slot.reset()
+        """Make ``slot`` free again."""
         self._free.append(slot)
 
     def close(self) -> None:
-        """Unlink and unmap every slot's memory."""
-        for slot in self.slots:
-            slot.close()
+        """Nothing to release (the staging memory is the :class:`StagingPool`'s)."""

@@ -89,6 +89,10 @@ class OpenTag:
     """Staging failures nobody has seen (``await staged`` did not raise them)."""
     slot: Slot | None = None
     stage_seconds: float = 0.0
+    staging_bytes: int = 0
+    """The engine's staging memory when the tag's last file was staged (bytes)."""
+    staging_peak: int = 0
+    """The most staging memory in use at once, up to then (bytes)."""
     commit: concurrent.futures.Future[Any] | None = None
     poison: BaseException | None = None
     """A file of the tag was modified before its fence: the tag cannot be published."""

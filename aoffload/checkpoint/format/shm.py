@@ -6,7 +6,7 @@ process that made them, with its start time where the name has room for it, so t
 SIGKILLed trainer's leftovers can be told from a live engine's: :func:`remove_dead` (run
 at every engine start and by ``aoffload clean``) removes the files of dead owners, never
 a live one's, nor another user's. :func:`check_room` is the start's check that
-``/dev/shm`` can hold ``max_pending`` checkpoints as large as the directory's latest.
+``/dev/shm`` can hold the staging memory the next checkpoints will take.
 
 No torch here: the command line imports this.
 """
@@ -87,11 +87,19 @@ def remove_dead(directory: str = SHM_DIR) -> list[tuple[str, int]]:
     return removed
 
 
-def check_room(latest_bytes: int, max_pending: int, directory: str = SHM_DIR) -> None:
-    """Raise :class:`CheckpointError` unless ``directory`` has room for ``max_pending``
-    checkpoints of ``latest_bytes`` each (the latest one's size, the best estimate of the
-    next); naming the fix."""
-    if latest_bytes <= 0:
+def check_room(
+    latest_bytes: int,
+    max_pending: int,
+    cap: int | None = None,
+    chosen: bool = False,
+    directory: str = SHM_DIR,
+) -> None:
+    """Raise :class:`CheckpointError` unless ``directory`` has room for the staging memory
+    the next checkpoints will take: ``max_pending`` of ``latest_bytes`` each (the latest
+    one's size, the best estimate of the next), or the staging cap ``cap`` if smaller
+    (``chosen``: the user's ``staging_bytes``); naming the fix."""
+    needed = latest_bytes * max_pending if cap is None else min(latest_bytes * max_pending, cap)
+    if needed <= 0:
         return
     try:
         info = os.statvfs(directory)
@@ -100,13 +108,18 @@ def check_room(latest_bytes: int, max_pending: int, directory: str = SHM_DIR) ->
             f"aoffload stages checkpoints in {directory}, which it cannot use: {exc}"
         ) from exc
     free, total = info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
-    needed = latest_bytes * max_pending
     if needed > free:
+        why = (
+            f"staging_bytes={cap}"
+            if chosen and needed == cap
+            else f"max_pending={max_pending} x {latest_bytes / 2**20:.0f} MiB, the size of the "
+            "latest checkpoint"
+        )
         raise CheckpointError(
             f"checkpoint staging needs about {needed / 2**20:.0f} MiB of shared memory "
-            f"(max_pending={max_pending} x {latest_bytes / 2**20:.0f} MiB, the size of the "
-            f"latest checkpoint), but {directory} has {free / 2**20:.0f} MiB free of "
+            f"({why}), but {directory} has {free / 2**20:.0f} MiB free of "
             f"{total / 2**20:.0f} MiB. Enlarge it (Docker: `docker run --shm-size=...`; "
-            "Kubernetes: an emptyDir with medium: Memory at /dev/shm), lower max_pending, "
-            "or run `aoffload clean` to remove what dead runs left there"
+            "Kubernetes: an emptyDir with medium: Memory at /dev/shm), lower staging_bytes "
+            "(a larger state streams through it) or max_pending, or run `aoffload clean` to "
+            "remove what dead runs left there"
         )

@@ -23,9 +23,12 @@ __all__ = [
     "LoadFile",
     "LoadedFile",
     "MapSegment",
+    "AbortFile",
+    "FeedFile",
     "RawRecord",
     "Record",
     "Span",
+    "Streamed",
     "SyncTree",
     "TorchRecord",
     "UnmapSegment",
@@ -69,8 +72,16 @@ class Span(Wire):
     nbytes: int
 
 
-Data = Span | bytes
-"""A record's bytes: a span of staging memory, or bytes carried in the call (small ones)."""
+@dataclass(frozen=True, slots=True)
+class Streamed(Wire):
+    """``nbytes`` bytes that arrive later, through :class:`FeedFile` calls for the file."""
+
+    nbytes: int
+
+
+Data = Span | bytes | Streamed
+"""A record's bytes: a span of staging memory, bytes carried in the call (small ones), or
+bytes streamed in later (:class:`FeedFile`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +148,41 @@ class WriteRecords(Call[FileRecord]):
     with ``O_DIRECT`` where the filesystem supports it, never read back; nothing is
     unpickled. ``root`` is the checkpoint directory: ``path`` lies below it and is
     opened without following a link below it. The answer says where each record landed.
+
+    Parts given as :class:`Streamed` arrive later, through :class:`FeedFile` calls: the
+    writer writes each piece as it arrives (the file is open from this call on), and
+    answers this call when the last streamed byte is written and the file fsynced. A
+    file of spans and bytes only is written at once.
     """
 
     path: str
     records: tuple[Record, ...]
     root: str = ""
+    plain = True
+
+
+@dataclass(frozen=True, slots=True)
+class FeedFile(Call[None]):
+    """The next bytes of the :class:`Streamed` parts of the file ``path`` (a
+    :class:`WriteRecords` sent earlier): ``spans``, in order, continue them where the last
+    feed stopped (the streamed parts of all records, in record order, as one stream). The
+    reply comes once the writer has taken the bytes (copied into its buffers or written):
+    the spans' staging memory is free again. The feed that completes the file also ends it
+    (fsync), and the :class:`WriteRecords` is answered then. A feed for a file that is no
+    longer being written (it failed, or was aborted) is dropped."""
+
+    path: str
+    spans: tuple[Span, ...]
+    plain = True
+
+
+@dataclass(frozen=True, slots=True)
+class AbortFile(Call[None]):
+    """Stop writing the streamed file ``path``: remove it, and fail its
+    :class:`WriteRecords` with ``reason``. Nothing happens for a file not being written."""
+
+    path: str
+    reason: str = "its staging failed"
     plain = True
 
 

@@ -1,8 +1,10 @@
 """The checkpoint writer: a worker service that turns staged bytes into durable files.
 
-It maps each staging segment once (:class:`~.calls.MapSegment`); per file it receives only
-a :class:`~.calls.WriteRecords`: the file name and its records, each naming where its bytes
-lie in staging memory. It writes each record as it is: a :class:`~.calls.TorchRecord` as
+It maps each staging segment once (:class:`~.calls.MapSegment`); per file it receives a
+:class:`~.calls.WriteRecords`: the file name and its records, each naming where its bytes
+lie in staging memory, or that they will be streamed in (:class:`~.calls.FeedFile`, one
+piece of staging memory after another, each free again once the reply is sent). It
+writes each record as it is (:mod:`.stream`): a :class:`~.calls.TorchRecord` as
 ``torch.save``'s zip archive (:mod:`.archive`) around the pickle the trainer made, a
 :class:`~.calls.RawRecord` as its bytes, into a :class:`~.sink.Sink` that hashes
 everything (xxh3-64 of the whole file) and writes large blocks, with ``O_DIRECT`` where
@@ -13,36 +15,37 @@ write path needs no torch. It also loads a file for the trainer when its pickle 
 
 from __future__ import annotations
 
-import codecs
+import concurrent.futures
 import contextlib
 import logging
 import mmap
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..._runtime.protocol import Call
 from ..._runtime.serve import Handler, Service
 from ..._runtime.threads import DaemonThreadExecutor, background_policy
-from .archive import Archive
 from .calls import (
+    AbortFile,
     Data,
+    FeedFile,
     FileRecord,
     LoadedFile,
     LoadFile,
     MapSegment,
-    RawRecord,
+    Streamed,
     SyncTree,
-    TorchRecord,
     UnmapSegment,
     WatchRank,
     WriterConfig,
     WriteRecords,
 )
 from .sink import Sink, open_for_write
+from .stream import FileStream
 from .watch import announce_death
 
 __all__ = ["WriterService"]
@@ -50,19 +53,22 @@ __all__ = ["WriterService"]
 logger = logging.getLogger(__name__)
 
 
-_ENCODE_CHUNK = 16 << 20  # bytes of a blob encoded at a time
-_BLOB_HEAD = b"c_codecs\nencode\nX"  # GLOBAL _codecs.encode, BINUNICODE <length> ...
-_BLOB_TAIL = b"X\x06\x00\x00\x00latin1\x86R"  # ... BINUNICODE "latin1", TUPLE2, REDUCE
+class StreamAborted(Exception):
+    """A streamed file was abandoned before its last byte (:class:`~.calls.AbortFile`)."""
 
 
-def _utf8_nbytes(data: memoryview) -> int:
-    """Bytes of ``data``'s latin-1 text in UTF-8: one per byte, two from 0x80 on."""
-    array = np.frombuffer(data, dtype=np.uint8)
-    high = sum(
-        int(np.count_nonzero(array[at : at + _ENCODE_CHUNK] >= 0x80))
-        for at in range(0, len(array), _ENCODE_CHUNK)
-    )
-    return len(array) + high
+@dataclass
+class _Open:
+    """A file being written: its descriptor, sink and stream, and its answer to come."""
+
+    path: str
+    root: str
+    fd: int
+    sink: Sink
+    bounce: mmap.mmap | None
+    busy: float  # seconds spent on it in this process
+    stream: FileStream | None = None
+    answer: concurrent.futures.Future[FileRecord] | None = None
 
 
 class WriterService(Service):
@@ -73,18 +79,21 @@ class WriterService(Service):
     def __init__(self, config: WriterConfig) -> None:
         self._config = config
         self._segments: dict[str, tuple[mmap.mmap, memoryview]] = {}
-        self._bounce: mmap.mmap | None = None
+        self._bounces: list[mmap.mmap] = []  # O_DIRECT buffers, one pair per open file
+        self._open: dict[str, _Open] = {}  # streamed files waiting for their bytes
         self._blobs: list[str] = []  # /dev/shm files made by loads, until the trainer reads them
         self._watch = WatchRank()  # armed (keys) while a distributed trainer may die
         background_policy()  # persisting is background work: the trainer's cores come first
         self._io_thread = DaemonThreadExecutor("aoffload-writer-io")  # inherits the policy
 
     def handlers(self) -> Mapping[type[Call[Any]], Handler]:
-        """Map or unmap a segment, write a file, fsync a tree, load a file, watch the trainer."""
+        """Map a segment; write, feed or abort a file; fsync a tree; load; watch."""
         return {
             MapSegment: self._map,
             UnmapSegment: self._unmap,
             WriteRecords: self._write,
+            FeedFile: self._feed,
+            AbortFile: self._abort,
             SyncTree: self._sync,
             LoadFile: self._load,
             WatchRank: self._arm,
@@ -117,75 +126,98 @@ class WriterService(Service):
     def _bytes(self, data: Data) -> memoryview:
         if isinstance(data, bytes):
             return memoryview(data)
+        if isinstance(data, Streamed):  # pragma: no cover - the stream never asks
+            raise TypeError("streamed bytes are fed, not read")
         view = self._segments[data.segment][1]
         if not 0 <= data.offset <= data.offset + data.nbytes <= len(view):
             raise ValueError(f"{data} lies outside its segment ({len(view)} bytes)")
         return view[data.offset : data.offset + data.nbytes]
 
-    def _write(self, message: WriteRecords) -> FileRecord:
+    # -- files --------------------------------------------------------------------------
+
+    def _write(self, message: WriteRecords) -> FileRecord | concurrent.futures.Future[FileRecord]:
         started = time.perf_counter()
-        fd, buffers, self._bounce = open_for_write(
-            message.path, self._config.direct_io, self._bounce, message.root
+        bounce = self._bounces.pop() if self._bounces else None
+        fd, buffers, bounce = open_for_write(
+            message.path, self._config.direct_io, bounce, message.root
         )
         sink = Sink(fd, buffers, self._io_thread)
-        spans: list[tuple[int, int]] = []
+        opened = _Open(message.path, message.root, fd, sink, bounce, 0.0)
         try:
-            for record in message.records:
-                start = sink.nbytes
-                if isinstance(record, TorchRecord):
-                    self._archive(sink, record)
-                elif isinstance(record, RawRecord):
-                    sink.write(self._bytes(record.data))
-                else:
-                    raise TypeError(f"not a record: {record!r}")
-                spans.append((start, sink.nbytes - start))
-            sink.finish()
-            if self._config.durable:
-                os.fsync(fd)
+            opened.stream = FileStream(message.records, opened.sink, self._bytes)
+            opened.busy += time.perf_counter() - started
+            if opened.stream.done:
+                return self._finish(opened)
         except BaseException:
-            with contextlib.suppress(OSError):
-                sink.wait()  # never close the fd under a write in flight
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(message.path)
+            self._discard(opened)
             raise
-        os.close(fd)
-        seconds = time.perf_counter() - started
-        return FileRecord(message.path, sink.nbytes, sink.hash.hexdigest(), seconds, tuple(spans))
+        opened.answer = concurrent.futures.Future()
+        self._open[message.path] = opened
+        return opened.answer
 
-    def _archive(self, sink: Sink, record: TorchRecord) -> None:
-        """``record`` as ``torch.save`` writes it (:mod:`.archive`)."""
-        archive = Archive(sink)
-        pickle = self._bytes(record.pickle)
-        blobs = [(blob.at, self._bytes(blob.data)) for blob in record.blobs]
-        encoded = [_utf8_nbytes(data) for _, data in blobs]
-        if any(nbytes > 0xFFFFFFFF for nbytes in encoded):
-            raise OverflowError(
-                "a bytes value of the state is too large for torch.save's pickle protocol "
-                "2 (over 4 GiB once encoded); save it as a uint8 tensor"
-            )
-        size = len(pickle) + sum(len(_BLOB_HEAD) + 4 + n + len(_BLOB_TAIL) for n in encoded)
-        archive.begin("data.pkl", size)
-        taken = 0
-        for (at, data), nbytes in zip(blobs, encoded, strict=True):
-            if not taken <= at <= len(pickle):
-                raise ValueError(f"a blob at {at} of a {len(pickle)}-byte pickle, after {taken}")
-            sink.write(pickle[taken:at])
-            sink.write(_BLOB_HEAD + nbytes.to_bytes(4, "little"))
-            for start in range(0, len(data), _ENCODE_CHUNK):
-                text = codecs.latin_1_decode(data[start : start + _ENCODE_CHUNK])[0]
-                sink.write(text.encode("utf-8"))
-            sink.write(_BLOB_TAIL)
-            taken = at
-        sink.write(pickle[taken:])
-        archive.end()
-        archive.preamble()
-        for number, storage in enumerate(record.storages):
-            data = self._bytes(storage)
-            archive.begin(f"data/{number}", len(data))
-            sink.write(data)
-            archive.end()
-        archive.close()
+    def _feed(self, message: FeedFile) -> None:
+        opened = self._open.get(message.path)
+        if opened is None or opened.stream is None or opened.answer is None:
+            return  # it failed or was aborted: its staging memory is free all the same
+        started = time.perf_counter()
+        try:
+            for span in message.spans:
+                opened.stream.feed(self._bytes(span))
+            opened.busy += time.perf_counter() - started
+            if opened.stream.done:
+                del self._open[message.path]
+                opened.answer.set_result(self._finish(opened))
+        except BaseException as exc:  # noqa: BLE001 - the file's answer carries it
+            if self._open.pop(message.path, None) is not None:
+                self._discard(opened)
+            if not opened.answer.done():
+                opened.answer.set_exception(exc)
+
+    def _abort(self, message: AbortFile) -> None:
+        opened = self._open.pop(message.path, None)
+        if opened is not None and opened.answer is not None:
+            self._discard(opened)
+            opened.answer.set_exception(StreamAborted(f"{message.path}: {message.reason}"))
+
+    def _finish(self, opened: _Open) -> FileRecord:
+        """The file's last bytes and its fsync; its record. Discards the file on failure."""
+        started = time.perf_counter()
+        try:
+            opened.sink.finish()
+            if self._config.durable:
+                os.fsync(opened.fd)
+        except BaseException:
+            self._discard(opened)
+            raise
+        os.close(opened.fd)
+        self._give_back(opened)
+        stream, sink = opened.stream, opened.sink
+        seconds = opened.busy + time.perf_counter() - started
+        spans = tuple(stream.spans) if stream is not None else ()
+        return FileRecord(opened.path, sink.nbytes, sink.hash.hexdigest(), seconds, spans)
+
+    def _discard(self, opened: _Open) -> None:
+        """Close and remove a file that failed, and the directories its opening made that
+        are empty now (below ``root``: a failed tag leaves no directory behind)."""
+        with contextlib.suppress(OSError):
+            opened.sink.wait()  # never close the fd under a write in flight
+        os.close(opened.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(opened.path)
+        self._give_back(opened)
+        if opened.root:
+            root, directory = Path(opened.root), Path(opened.path).parent
+            while directory != root and root in directory.parents:
+                try:
+                    os.rmdir(directory)  # only an empty one; a link is never followed
+                except OSError:
+                    break
+                directory = directory.parent
+
+    def _give_back(self, opened: _Open) -> None:
+        bounce, opened.bounce = opened.bounce, None
+        if bounce is not None:
+            self._bounces.append(bounce)
 
     def _sync(self, message: SyncTree) -> None:
         if not self._config.durable:
@@ -197,11 +229,21 @@ class WriterService(Service):
             finally:
                 os.close(fd)
 
+    # -- the end ------------------------------------------------------------------------
+
+    def quiesce(self) -> None:
+        """Abandon the streamed files still open: their bytes can no longer come (every
+        request the trainer sent is served by now), and their answers are owed."""
+        for path in list(self._open):
+            self._abort(AbortFile(path, "the writer is closing"))
+
     def close(self) -> None:
         """Unmap every staging segment; remove what loads left that the trainer never read;
         if the trainer died with its rank's watch armed, tell the other ranks first."""
         if self._watch.keys:  # the trainer went without disarming it: it died
             announce_death(self._watch)
+        for path in list(self._open):  # the trainer is gone: nobody waits for the answers
+            self._discard(self._open.pop(path))
         for blob in self._blobs:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(blob)
@@ -212,6 +254,6 @@ class WriterService(Service):
             with contextlib.suppress(BufferError):
                 mapping.close()
         self._io_thread.shutdown(wait=True)
-        if self._bounce is not None:
+        for bounce in self._bounces:
             with contextlib.suppress(BufferError):
-                self._bounce.close()
+                bounce.close()
