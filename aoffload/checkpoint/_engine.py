@@ -42,16 +42,15 @@ __all__ = ["CheckpointEngine", "CommitResult", "PreemptionNotice", "Staged"]
 class CheckpointEngine(Resource):
     """Snapshot-consistent checkpoints written in the background by a spawned writer process.
 
-    One object, two faces. A synchronous trainer uses ``with CheckpointEngine(directory)
-    as engine:`` (or ``start()`` / ``close()``) and calls ``.result()`` on what a call
-    returns; an asyncio trainer uses ``async with`` (or ``astart()`` / ``aclose()``) and
-    awaits the same :class:`~aoffload.Handle`. See :meth:`stage`, :meth:`save`,
-    :meth:`commit`, :meth:`commit_soon` and :meth:`load`. ``keep_last``
-    keeps that many newest committed tags (``None``: all). ``max_pending`` bounds the
-    checkpoints staged but not yet durable. ``writer=False`` makes a replica that
-    validates names and writes nothing.
-    ``durable=False`` skips fsync (tests, scratch runs). Tags are ordered by commit: each
-    manifest records a sequence number one above the highest found in ``directory``.
+    One object, two faces. A synchronous trainer uses ``with CheckpointEngine(directory) as
+    engine:`` (or ``start()`` / ``close()``) and calls ``.result()`` on what a call returns;
+    an asyncio trainer uses ``async with`` (or ``astart()`` / ``aclose()``) and awaits the
+    same :class:`~aoffload.Handle`. See :meth:`stage`, :meth:`save`, :meth:`commit`,
+    :meth:`commit_soon` and :meth:`load`. ``keep_last`` keeps that many newest committed
+    tags (``None``: all). ``max_pending`` bounds the checkpoints staged but not yet durable.
+    ``writer=False`` makes a replica that writes nothing. ``durable=False`` skips fsync
+    (tests, scratch runs). Tags are ordered by commit: each manifest records a sequence
+    number one above the highest found in ``directory``.
 
     ``commit_timeout`` bounds how long ``close()`` waits for the commits requested
     (``commit()``, ``commit_soon()``) to end. ``distributed=True`` makes one checkpoint of
@@ -60,42 +59,27 @@ class CheckpointEngine(Resource):
     also bounds the wait for a rank whose writer never reports (a blocked event loop
     never counts: reports come from a thread).
 
-    ``staging_bytes`` is a hard cap on this engine's shared staging memory (per rank),
-    shared by every checkpoint in flight. A state larger than the cap streams through it:
-    each tensor is copied chunk by chunk into free staging memory, the writer writes each
-    chunk as it is copied and frees it for the next; the snapshot stays exact (every
-    tensor's version counter is checked once its last chunk is copied, and again at the
-    fence). The fence returns when the last chunk is copied, so it stalls a step shorter
-    than the streaming (about ``(state - cap) / disk write rate``) by what is left of it,
-    and a longer step not at all; a state that fits under the cap stages whole at memory
-    speed. The default (``None``) is a quarter of the machine's RAM and at most half of
-    what ``/dev/shm`` has free, divided among the node's ranks (``LOCAL_WORLD_SIZE``)
-    with ``distributed=True``; staging memory grows only as far as needed, so a state
-    that fits stages as before the cap. :class:`CommitResult` reports it
-    (``staging_bytes``, ``staging_peak_bytes``); see ``docs/checkpoints.md``.
+    ``staging_bytes`` caps this engine's shared staging memory (per rank, every checkpoint
+    in flight together). A larger state streams through the cap chunk by chunk, exactly;
+    its fence returns when the last chunk is copied, after about ``(state - cap) / disk
+    write rate``. The default (``None``): a quarter of RAM, at most half of ``/dev/shm``'s
+    free space, shared by the node's ranks; see ``docs/checkpoints.md``.
 
     ``unloadable`` says what to do with a staged value that the default
     ``load(weights_only=True)`` could not read back (``np.random.get_state()``, a
     ``collections.deque``, an instance of your own class): ``"warn"`` (the default) warns
-    at the fence (``await staged``), naming the file and the key; ``"error"`` fails that
-    staging with :class:`InvalidStateError` instead (the tag stays usable); ``"ignore"``
-    skips the check (files you load with ``weights_only=False``). The check runs on the
-    stage thread while the state is pickled; a state dict of tensors costs nothing.
+    at the fence, naming the file and the key; ``"error"`` fails that staging with
+    :class:`InvalidStateError` (the tag stays usable); ``"ignore"`` skips the check.
 
-    ``remote=URL`` (any fsspec URL: ``s3://bucket/run``, ``gs://``, ``az://``,
-    ``file://``) adds a remote tier, reached with ``storage_options`` (passed to fsspec
-    unchanged, never logged): ``directory`` stays the fast tier, where ``commit()`` makes
-    a tag durable, and each committed tag is then uploaded in the background by an
-    uploader process (see :meth:`uploaded`). ``upload_timeout`` bounds how long
-    ``aclose()`` waits for the uploads in flight. A remote operation that fails is
-    retried four times, ``upload_backoff`` seconds after the first failure, then twice
-    as long each time (at most 8 s); a test of a dead endpoint may make it small. A
-    tag's upload starts once its ``commit()`` returned; ``early_uploads=True`` starts
-    each file's upload the moment it is durable instead, for a sooner :meth:`uploaded`
-    at the cost of a slower ``commit()`` where the upload competes with the commit for
-    CPU and disk (see ``docs/remote.md``). On an empty ``directory``, ``latest()``,
-    ``tags()`` and ``load()`` see the remote tier. With ``distributed=True`` every rank
-    may use its own node-local ``directory``: no shared filesystem is needed.
+    ``remote=URL`` (any fsspec URL: ``s3://bucket/run``, ``gs://``, ``file://``) adds a
+    remote tier, reached with ``storage_options`` (passed to fsspec unchanged, never
+    logged): each tag durable in ``directory`` is then uploaded by an uploader process (see
+    :meth:`uploaded`); ``upload_timeout`` bounds the close's wait for uploads in flight,
+    ``upload_backoff`` is the first retry's delay (four retries, doubling, at most 8 s), and
+    ``early_uploads=True`` starts each file's upload once it is durable instead of after its
+    ``commit()`` (see ``docs/remote.md``). On an empty ``directory``, ``latest()``,
+    ``tags()`` and ``load()`` see the remote tier. With ``distributed=True`` every rank may
+    use its own node-local ``directory``: no shared filesystem is needed.
     """
 
     _what = "this CheckpointEngine"
