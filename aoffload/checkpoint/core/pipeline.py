@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline"]
 
+
 class Pipeline:
     """The stage thread, the copy pool and the staging memory of one engine."""
 
