@@ -197,20 +197,10 @@ def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
     for name, factory in loops.items():
         progress(f"bridge: round trips on {name}")
         with asyncio.Runner(loop_factory=factory) as runner:
-            floor = report.add(
-                SECTION,
-                f"run_in_executor pipe ({name})",
-                "round trip",
-                "ms",
-                runner.run(_thread_bridged_pipe_round_trip(requests, reps)),
-            )
-            ours = report.add(
-                SECTION,
-                f"aoffload bridge ({name})",
-                "round trip",
-                "ms",
-                runner.run(_bridge_round_trip(requests, reps)),
-            )
+            pipe = runner.run(_thread_bridged_pipe_round_trip(requests, reps))
+            floor = report.add(SECTION, f"run_in_executor pipe ({name})", "round trip", "ms", pipe)
+            bridged = runner.run(_bridge_round_trip(requests, reps))
+            ours = report.add(SECTION, f"aoffload bridge ({name})", "round trip", "ms", bridged)
         report.ratio(SECTION, f"aoffload bridge ({name}) / plain blocking pipe", ours, baseline)
         report.ratio(SECTION, f"aoffload bridge ({name}) / run_in_executor pipe", ours, floor)
         progress(f"bridge: trainer CPU per reply on {name}")

@@ -9,6 +9,7 @@ ratio built on such a figure carries the label too; an aoffload measurement that
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -201,6 +203,22 @@ class Report:
             if (figure.section, figure.system, figure.metric) == (section, system, metric):
                 return figure
         return None
+
+
+def rank_records(processes: list[Any], root: Path, what: str) -> list[dict[str, Any]]:
+    """What each rank process wrote to ``root/rank<r>.json``, once all exited 0 (joined)."""
+    failed = [p.exitcode for p in processes if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"a {what} rank failed (exit codes {failed}); see its stderr")
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(len(processes))]
+
+
+def kill_ranks(processes: list[Any]) -> None:
+    """Kill and reap the rank processes still alive (a failed or interrupted run)."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def repeat(times: int, call: Callable[[], float]) -> list[float]:

@@ -30,7 +30,6 @@ lives as long as the rank and would count in every later block's memory.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import shutil
 import socket
@@ -40,7 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ._common import Report, Table, format_value, progress
+from ._common import Report, Table, format_value, kill_ranks, progress, rank_records
 from ._pss import PssSampler
 
 __all__ = ["SECTION", "run"]
@@ -92,15 +91,9 @@ def run(
             deadline = time.monotonic() + (600 if quick else 3600)
             for process in processes:
                 process.join(max(1.0, deadline - time.monotonic()))
-        failed = [p.exitcode for p in processes if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"a dcp rank failed (exit codes {failed}); see its stderr")
-        records = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        records = rank_records(processes, root, "dcp")
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+        kill_ranks(processes)
         shutil.rmtree(root, ignore_errors=True)
     _report(report, records, sampler, steps, per_rank)
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Figure, Report, progress
+from ._common import Figure, Report, kill_ranks, progress, rank_records
 
 SECTION = "distributed"
 MANIFEST = ".aoffload-manifest.json"
@@ -197,14 +197,9 @@ def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
             process.start()
         for process in processes:
             process.join(600)
-        failed = [p.exitcode for p in processes if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"a benchmark rank failed (exit codes {failed}); see its stderr")
-        per_rank = [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
+        per_rank = rank_records(processes, root, "benchmark")
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
+        kill_ranks(processes)
         shutil.rmtree(root, ignore_errors=True)
     note = f"{world} ranks x {mib} MiB; samples of every rank"
 

@@ -122,29 +122,37 @@ def _lines(axes: Any, series: dict[str, list[Any]]) -> None:
 
 
 def _stall(section: str, figures: list[dict[str, Any]], footer: str, path: Path) -> bool:
-    series = _series(figures, STALL)
-    if not series:
-        return False
-    chart, axes = _new(f"{section}: the trainer's stall per checkpoint", footer)
-    _lines(axes, series)
-    axes.set_xlabel("step length (s): the step between stage() and the fence")
-    axes.set_ylabel("stall per checkpoint (ms, log scale; bars: min - max)")
-    axes.set_yscale("log")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7, loc="best")
-    chart.savefig(path, dpi=110)
-    return True
+    title = f"{section}: the trainer's stall per checkpoint"
+    x = "step length (s): the step between stage() and the fence"
+    y = "stall per checkpoint (ms, log scale; bars: min - max)"
+    return _line_chart(_series(figures, STALL), title, footer, path, xlabel=x, ylabel=y, log=True)
 
 
 def _steps(section: str, figures: list[dict[str, Any]], footer: str, path: Path) -> bool:
-    series = _series(figures, STEP)
+    title = f"{section}: step time against the backward's length t_b"
+    x, y = "t_b: the backward's length (ms)", "step time (ms; bars: min - max)"
+    return _line_chart(_series(figures, STEP), title, footer, path, xlabel=x, ylabel=y)
+
+
+def _line_chart(
+    series: dict[str, list[Any]],
+    title: str,
+    footer: str,
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    log: bool = False,
+) -> bool:
     if not series:
         return False
-    chart, axes = _new(f"{section}: step time against the backward's length t_b", footer)
+    chart, axes = _new(title, footer)
     _lines(axes, series)
-    axes.set_xlabel("t_b: the backward's length (ms)")
-    axes.set_ylabel("step time (ms; bars: min - max)")
-    axes.grid(True, alpha=0.3)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    if log:
+        axes.set_yscale("log")
+    axes.grid(True, which="both" if log else "major", alpha=0.3)
     axes.legend(fontsize=7, loc="best")
     chart.savefig(path, dpi=110)
     return True

@@ -189,42 +189,18 @@ def run(report: Report, *, quick: bool, smoke: bool = False) -> None:
                 )
                 with_remote += stalls
                 commit_with += commits
-            note = f"stage() + fence after a {step} s step that blocks the loop, {total_mib} MiB"
-            a = report.add(
-                SECTION,
-                "aoffload with remote=",
-                "trainer stall",
-                "ms",
-                [s * 1e3 for s in with_remote],
-                note,
-            )
-            b = report.add(
-                SECTION,
-                "aoffload without remote",
-                "trainer stall",
-                "ms",
-                [s * 1e3 for s in without],
-                note,
-            )
-            report.ratio(SECTION, "stall with / without a remote tier (goal <= 1.05)", a, b)
-            note = f"commit() call to durable locally (commit_seconds), {total_mib} MiB"
-            a = report.add(
-                SECTION,
-                "aoffload with remote=",
-                "commit() time",
-                "ms",
-                [s * 1e3 for s in commit_with],
-                note,
-            )
-            b = report.add(
-                SECTION,
-                "aoffload without remote",
-                "commit() time",
-                "ms",
-                [s * 1e3 for s in commit_without],
-                note,
-            )
-            report.ratio(SECTION, "commit() time with / without a remote tier", a, b)
+            stall_note = f"stage() + fence after a {step} s step that blocks the loop"
+            for metric, note, ratio, with_, without_ in (
+                ("trainer stall", stall_note, "stall with / without a remote tier (goal <= 1.05)",
+                 with_remote, without),
+                ("commit() time", "commit() call to durable locally (commit_seconds)",
+                 "commit() time with / without a remote tier", commit_with, commit_without),
+            ):  # fmt: skip
+                a = report.add(SECTION, "aoffload with remote=", metric, "ms",
+                               [s * 1e3 for s in with_], f"{note}, {total_mib} MiB")  # fmt: skip
+                b = report.add(SECTION, "aoffload without remote", metric, "ms",
+                               [s * 1e3 for s in without_], f"{note}, {total_mib} MiB")  # fmt: skip
+                report.ratio(SECTION, ratio, a, b)
             progress(
                 f"remote: stall {statistics.median(with_remote) * 1e3:.1f} ms with, "
                 f"{statistics.median(without) * 1e3:.1f} ms without"

@@ -29,14 +29,13 @@ from .ranks.commit import RankCommits
 from .remote.ranks import RankUploads
 from .remote.tier import RemoteTier
 from .remote.uploader import Uploader
-from .remote.url import RemoteTag, load_url, metadata_url
+from .remote.url import load_url, metadata_url
 from .remote.worker.calls import UploaderConfig, redact_url
 from .writer.calls import TARGET, WriterConfig
 
 __all__ = [
     "Assembly",
     "PreemptionNotice",
-    "RemoteTag",
     "assemble",
     "load_url",
     "metadata_url",

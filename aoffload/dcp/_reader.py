@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..checkpoint._assemble import RemoteTag
+from ..checkpoint.remote.url import RemoteTag
 from ._location import METADATA, Checkpoint, locate
 from ._metadata import StorageInfo, load_metadata
 

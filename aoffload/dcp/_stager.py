@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from .._errors import CheckpointError, ClosedError, InvalidStateError
 from .._runtime.threads import DaemonThreadExecutor, running_future
 from ..checkpoint.core.copy import CHUNK, CopyPool, Events, stage_events
-from ..checkpoint.core.pickler import version_of
+from ..checkpoint.core.pickler import tensor_problem, version_of
 from ..checkpoint.core.plan import key_of
 from ._memory import Segment, aligned
 
@@ -86,15 +86,9 @@ def _problem(tensor: torch.Tensor) -> str | None:
             f"tensor subclass {type(tensor).__qualname__} cannot be staged by aoffload.dcp."
             "Stager (plain tensors and DTensors only); stage it with DCP's DefaultStager"
         )
-    if tensor.layout is not torch.strided or tensor.is_nested:
-        return f"tensors with layout {tensor.layout} cannot be staged (only dense tensors)"
-    if tensor.is_quantized:
-        return "quantized tensors cannot be staged"
-    if tensor.device.type not in ("cpu", "cuda"):
-        return f"tensors on device {tensor.device} cannot be staged (only cpu and cuda)"
     if tensor.is_conj() or tensor.is_neg():
         return "tensors with a conjugate or negative bit cannot be staged (resolve_conj() it)"
-    return None
+    return tensor_problem(tensor)  # the layouts and devices the engine's stage() refuses
 
 
 class _Layout:

@@ -20,7 +20,6 @@ from deepspeed.runtime.superoffload.superoffload_utils import EventTypes, Result
 from .._errors import ClosedError, OptimizerError
 from ..optimizer import StepKind, StepResult
 from ..optimizer._core import OptimizerCore
-from ..optimizer._subgroups import check_options
 from ..optimizer.worker._calls import GROUP_KEYS
 
 __all__ = ["SuperOffloadCPUOptimizer", "install_superoffload"]
@@ -107,9 +106,8 @@ class SuperOffloadCPUOptimizer:
         self._closed = False
         # The memory each sub-group registered.
         self._registered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        groups = check_options(_param_groups(optimizer_config), backend, cpuadam_cores_perc)
-        self._core = OptimizerCore(
-            groups,
+        self._core = OptimizerCore.checked(
+            _param_groups(optimizer_config),
             backend=backend,
             worker_cores=cpuadam_cores_perc,
             exact_rollback=exact_rollback,

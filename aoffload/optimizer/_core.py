@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +34,15 @@ from ._affinity import Affinity, Split, plan_split
 from ._builds import startup_timeout, tell_fallback
 from ._results import Outcomes, Pending, StepKind, StepResult
 from ._state import StateTransfer, parse
-from ._subgroups import Registry, SubGroup, check_registered, share, valid_lr, validate
+from ._subgroups import (
+    Registry,
+    SubGroup,
+    check_options,
+    check_registered,
+    share,
+    valid_lr,
+    validate,
+)
 from .worker import TARGET
 from .worker._calls import AdamConfig, GetInfo, GroupConfig, Hurry, Info, SetGroups, Settle, Step
 
@@ -88,6 +97,27 @@ class OptimizerCore:
         self._helper: DaemonThreadExecutor | None = None
         self._life = threading.Lock()  # start against close
         self._closed = False
+
+    @classmethod
+    def checked(
+        cls,
+        param_groups: Sequence[Mapping[str, object]],
+        *,
+        backend: str,
+        worker_cores: float | None,
+        exact_rollback: bool,
+        close_timeout: float,
+    ) -> OptimizerCore:
+        """A core for ``param_groups`` once they and the options are valid (else
+        ``ValueError``/``OptimizerError`` naming the option), as CPUAdam's and
+        SuperOffload's are."""
+        return cls(
+            check_options(param_groups, backend, worker_cores),
+            backend=backend,
+            worker_cores=worker_cores,
+            exact_rollback=exact_rollback,
+            close_timeout=close_timeout,
+        )
 
     # -- introspection -------------------------------------------------------------------
 

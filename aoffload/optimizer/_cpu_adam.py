@@ -47,7 +47,6 @@ from .._runtime.resource import AsyncResource, State
 from .._runtime.threads import run_in_thread
 from ._core import OptimizerCore
 from ._results import Pending, StepResult, StepResults
-from ._subgroups import check_options
 from ._waits import LoopWaits
 
 __all__ = ["CPUAdam"]
@@ -92,10 +91,9 @@ class CPUAdam(AsyncResource):
         start_timeout: float = 120.0,
         close_timeout: float = 30.0,
     ) -> None:
-        groups = check_options(param_groups, backend, worker_cores)
         super().__init__()
-        self._core = OptimizerCore(
-            groups,
+        self._core = OptimizerCore.checked(
+            param_groups,
             backend=backend,
             worker_cores=worker_cores,
             exact_rollback=exact_rollback,

@@ -61,26 +61,17 @@ class StepResult:
     seconds: float
 
 
+@dataclass(slots=True, eq=False)
 class Pending:
     """One submitted step; the reply records its outcome here."""
 
-    __slots__ = ("done", "error", "group_id", "kind", "param", "register", "subgroup")
-
-    def __init__(
-        self,
-        group_id: int,
-        subgroup: int,
-        kind: StepKind,
-        param: torch.Tensor,
-        register: concurrent.futures.Future[None] | None,
-    ) -> None:
-        self.group_id = group_id
-        self.subgroup = subgroup
-        self.kind = kind
-        self.param = param
-        self.register = register
-        self.done: Done | None = None
-        self.error: BaseException | None = None
+    group_id: int
+    subgroup: int
+    kind: StepKind
+    param: torch.Tensor = field(repr=False)
+    register: concurrent.futures.Future[None] | None
+    done: Done | None = None
+    error: BaseException | None = None
 
     def result(self) -> StepResult:
         """The step's result, or its error raised."""

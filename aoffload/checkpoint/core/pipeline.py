@@ -33,7 +33,6 @@ ended and the writer has answered, both futures fail with the first error.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -41,9 +40,7 @@ from typing import TYPE_CHECKING
 from ..._errors import CheckpointError, InvalidStateError
 from ..._runtime.gate import GATE
 from ..._runtime.threads import DaemonThreadExecutor
-from ..writer.calls import (
-    MapSegment,
-)
+from ..writer.calls import MapSegment
 from .copy import CopyPool, stage_events
 from .feed import FileFeed
 from .plan import cpu_storages, plan, restructured, versions
@@ -59,8 +56,6 @@ if TYPE_CHECKING:
     from .tags import FileJob, Tags
 
 __all__ = ["Pipeline"]
-
-logger = logging.getLogger(__name__)
 
 
 class Pipeline:
