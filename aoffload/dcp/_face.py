@@ -41,7 +41,7 @@ from ._stager import Stager
 from ._writer import StorageWriter
 
 if TYPE_CHECKING:
-    from ..checkpoint._engine import CheckpointEngine
+    from .. import CheckpointEngine
     from ..checkpoint.core.result import CommitResult
 
 __all__ = ["AsyncSave", "DcpFace"]

@@ -66,8 +66,7 @@ class OptimizerCore:
     """Adam(W) in a worker process, driven from any thread; the faces' common core.
 
     ``groups`` are validated param groups; the other arguments are :class:`~aoffload.CPUAdam`'s,
-    but ``side_by_side`` (OffloadAdam's: see :class:`~._calls.AdamConfig`).
-    """
+    but ``side_by_side`` (OffloadAdam's: see :class:`~._calls.AdamConfig`)."""
 
     def __init__(
         self,
@@ -99,25 +98,10 @@ class OptimizerCore:
         self._closed = False
 
     @classmethod
-    def checked(
-        cls,
-        param_groups: Sequence[Mapping[str, object]],
-        *,
-        backend: str,
-        worker_cores: float | None,
-        exact_rollback: bool,
-        close_timeout: float,
-    ) -> OptimizerCore:
-        """A core for ``param_groups`` once they and the options are valid (else
-        ``ValueError``/``OptimizerError`` naming the option), as CPUAdam's and
-        SuperOffload's are."""
-        return cls(
-            check_options(param_groups, backend, worker_cores),
-            backend=backend,
-            worker_cores=worker_cores,
-            exact_rollback=exact_rollback,
-            close_timeout=close_timeout,
-        )
+    def checked(cls, param_groups: Sequence[Mapping[str, object]], **options: Any) -> OptimizerCore:
+        """A core for ``param_groups`` once they and ``options`` (``__init__``'s) are valid."""
+        groups = check_options(param_groups, options["backend"], options["worker_cores"])
+        return cls(groups, **options)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -139,9 +123,7 @@ class OptimizerCore:
 
     def start(self, timeout: float) -> None:
         """Spawn the worker, wait until its backend is built (``timeout`` s); blocking.
-
-        Raises :class:`~aoffload.WorkerStartupError`; the caller then runs :meth:`close`.
-        """
+        Raises :class:`~aoffload.WorkerStartupError`; the caller then runs :meth:`close`."""
         with self._life:
             if self._closed:
                 raise ClosedError("CPUAdam was closed while it started")
@@ -183,11 +165,8 @@ class OptimizerCore:
 
     def close(self) -> None:
         """Stop the worker after the steps already sent, then free everything; blocking.
-
-        Results not consumed yet are dropped; steps never answered fail with
-        :class:`ClosedError`. No process, thread or state buffer outlives it (the params
-        stay in shared memory as long as the caller holds them).
-        """
+        Results not consumed are dropped, steps never answered fail with :class:`ClosedError`;
+        no process, thread or state buffer outlives it (the params are the caller's)."""
         with self._life:
             self._closed = True
             worker = self.worker
