@@ -66,12 +66,17 @@ def check_plain(state: dict[str, Any], big: bool = False) -> int:
 
 def save(rank: int, world: int, directory: Path, steps: list[int]) -> None:
     """Save the state of each step with plain DCP into ``directory / f"step-{step}"``."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     for step in steps:
         writer = FileSystemWriter(directory / f"step-{step}")
         dcp.save(_state(world, whole(step), step), storage_writer=writer)
+    # Both ranks done before either tears gloo down: a fresh clone's run lost a rank here to
+    # "terminate called without an active exception" (exit -6), its peer's last message of
+    # DCP's save still in flight when the group was destroyed.
+    dist.barrier()
 
 
 def load(rank: int, world: int, directory: Path) -> dict[str, Any]:

@@ -49,7 +49,6 @@ WORLD = 2
 STEPS = (0.0, 0.5, 2.0)
 SMOKE_STEPS = (0.0, 0.05, 0.2)
 """--smoke's steps: the same three cases (none, longer than the copy, much longer)."""
-TENSOR_BYTES = 64 << 20
 SAMPLE_SECONDS = 0.01
 MIB = float(1 << 20)
 

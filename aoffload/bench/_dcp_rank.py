@@ -26,6 +26,7 @@ __all__ = ["main"]
 logger = logging.getLogger(__name__)
 
 IDLE_SECONDS = 0.2
+TENSOR_BYTES = 64 << 20  # each rank's state: tensors of this size at most
 
 
 def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], Any] | None]]:
@@ -153,7 +154,6 @@ def main(
     import torch
     import torch.distributed as dist
 
-    from ._dcp import TENSOR_BYTES
     from ._dcp_peers import AOFFLOAD_ENGINE
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

@@ -1,16 +1,15 @@
 """Snapshot-consistent, crash-safe checkpoints for synchronous and asyncio trainers:
 :class:`CheckpointEngine`.
 
-The engine is a face on :class:`~.core.engine.EngineCore`, whose threads and writer
-process do all the work: the caller only learns that it is finished. Every call that
-waits returns a :class:`~aoffload.Handle`: an asyncio trainer awaits it, a synchronous one
-calls ``.result()``. ``stage()`` returns with the snapshot copy under way (its
-:class:`~._staged.Staged` is the fence). ``commit()`` and ``commit_soon()`` hand the
-commit to the commit thread at once: the files become durable, the manifest, the tag and
-``latest`` are published, and old tags retired, while the caller's thread is busy in a
-training step. The options make an :class:`~._options.EngineOptions`, from which the
-assembler (:mod:`._assemble`) builds the core and its roles. See ``format/`` for the
-on-disk protocol.
+The engine is a face on :class:`~.core.engine.EngineCore`, whose threads and writer process
+do all the work: the caller only learns that it is finished. Every call that waits returns a
+:class:`~aoffload.Handle`: an asyncio trainer awaits it, a synchronous one calls
+``.result()``. ``stage()`` returns with the snapshot copy under way (its
+:class:`~._staged.Staged` is the fence). ``commit()`` and ``commit_soon()`` hand the commit
+to the commit thread at once: the files become durable, the manifest, the tag and ``latest``
+are published, and old tags retired, while the caller's thread is busy in a training step.
+The options make an :class:`~._options.EngineOptions`, from which the assembler
+(:mod:`._assemble`) builds the core and its roles. See ``format/`` for the on-disk protocol.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from .._runtime.handle import Handle
 from .._runtime.resource import Resource
 from . import _running
 from ._assemble import PreemptionNotice, assemble, signal_set
+from ._faces import Faces
 from ._options import EngineOptions
 from ._staged import Staged
 from .core.load import MapLocation
@@ -129,7 +129,7 @@ class CheckpointEngine(Resource):
         self._remote = remote
         self._notices = parts.notice
         self._notice: PreemptionNotice | None = None
-        self._faces = _running.Faces(self)
+        self._faces = Faces(self)
         super().__init__()
 
     # -- introspection -----------------------------------------------------------------

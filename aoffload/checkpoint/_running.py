@@ -1,6 +1,5 @@
 """The engines running in this process, by directory: how ``aoffload.dcp.StorageWriter``
-finds the engine it writes through when it is not handed one; and an engine's faces made
-on demand (:class:`Faces`: its DCP face, closed with it)."""
+finds the engine it writes through when it is not handed one."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any, Protocol
 
 from .format.layout import is_url
 
-__all__ = ["Faces", "Running", "add", "discard", "running"]
+__all__ = ["Running", "add", "discard", "running"]
 
 
 class Running(Protocol):
@@ -54,28 +53,3 @@ def running(location: str) -> Running | None:
         return next((e for e in engines if (e._remote or "").rstrip("/") == url), None)
     target = Path(location).resolve()
     return next((e for e in engines if e.directory.resolve() == target), None)
-
-
-class Faces:
-    """The faces of one engine made on first use (``engine.dcp``), closed before it."""
-
-    def __init__(self, engine: Running) -> None:
-        self._engine = engine
-        self._lock = threading.Lock()
-        self._dcp: Any = None
-
-    def dcp(self) -> Any:
-        """The engine's DCP face (``aoffload.dcp``'s ``DcpFace``), made on first use."""
-        with self._lock:
-            if self._dcp is None:
-                from ..dcp._face import DcpFace  # torch.distributed.checkpoint: on demand
-
-                self._dcp = DcpFace(self._engine)  # type: ignore[arg-type]
-            return self._dcp
-
-    def close(self) -> None:
-        """Close the faces made (before the engine's core closes)."""
-        with self._lock:
-            face = self._dcp
-        if face is not None:
-            face.close()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,15 +30,29 @@ from ._grads import first_grad, take_grad
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from ._offloader import Offloader
+    from ._cuda import CudaLinks
 
-__all__ = ["Hooks"]
+__all__ = ["Hooks", "Sender"]
+
+
+class Sender(Protocol):
+    """What the hooks need of the offloader that sends the buckets (a protocol: the
+    offloader imports this module)."""
+
+    lock: threading.Lock
+    sync: bool
+    running: bool
+    links: CudaLinks | None
+    unfinished: concurrent.futures.Future[object] | None
+
+    def submit(self, bucket: Bucket) -> None:
+        """Send ``bucket``'s gradients to the worker."""
 
 
 class Hooks:
     """The hooks of one OffloadAdam's parameters, and what they met for the step to raise."""
 
-    def __init__(self, offloader: Offloader) -> None:
+    def __init__(self, offloader: Sender) -> None:
         self._off = offloader
         self.lock = offloader.lock  # the buckets' per-step fields, the errors
         self._errors: list[BaseException] = []
