@@ -7,10 +7,33 @@ another, every value must be what was saved. Each function returns what its rank
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def settled(function: F) -> F:
+    """Every rank meets at a gloo barrier after ``function`` returns, before the harness
+    destroys the group: fresh clones lost a rank here to "terminate called without an
+    active exception" (exit -6), a peer's last message of DCP's collectives (its save, or a
+    load that fails on purpose) still in flight when the group was torn down. None of these
+    scenarios kills a rank, so the barrier cannot wait on a dead peer."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        value = function(*args, **kwargs)
+        dist.barrier()
+        return value
+
+    return wrapper  # type: ignore[return-value]
+
 
 ROWS, COLUMNS = 12, 5
 
@@ -64,21 +87,18 @@ def check_plain(state: dict[str, Any], big: bool = False) -> int:
     return int(step)
 
 
+@settled
 def save(rank: int, world: int, directory: Path, steps: list[int]) -> None:
     """Save the state of each step with plain DCP into ``directory / f"step-{step}"``."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     for step in steps:
         writer = FileSystemWriter(directory / f"step-{step}")
         dcp.save(_state(world, whole(step), step), storage_writer=writer)
-    # Both ranks done before either tears gloo down: a fresh clone's run lost a rank here to
-    # "terminate called without an active exception" (exit -6), its peer's last message of
-    # DCP's save still in flight when the group was destroyed.
-    dist.barrier()
 
 
+@settled
 def load(rank: int, world: int, directory: Path) -> dict[str, Any]:
     """Load the latest into a zeroed state sharded over this world (what each rank got,
     against the slice of :func:`whole` its shard should hold); then :func:`different_tags`."""
@@ -120,6 +140,7 @@ def different_tags(world: int, directory: Path) -> dict[str, Any]:
     return {"failed": False}
 
 
+@settled
 def save_through_aoffload(
     rank: int, world: int, directory: Path, steps: list[int], mode: str = "THREAD"
 ) -> dict[str, Any]:
@@ -168,6 +189,7 @@ def _mutated(stager: Any, world: int) -> str:
     return "nothing was raised"
 
 
+@settled
 def load_latest(rank: int, world: int, directory: Path, directories: list[str]) -> list[int]:
     """Load the latest of each of ``directories`` (saved with ``big``) into a state sharded
     over this world; the step each held (AssertionError for any value not saved)."""
@@ -188,6 +210,7 @@ def load_latest(rank: int, world: int, directory: Path, directories: list[str]) 
     return steps
 
 
+@settled
 def face_on_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
     """engine.dcp on a distributed engine: a save, then one whose staging fails on the last
     rank only (a tensor modified in place while a large one is copied): every rank's save
