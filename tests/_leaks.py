@@ -63,10 +63,10 @@ class Snapshot:
             # aoffload's threads that were already on their way out (their work resolved the
             # future the test awaited) get a few seconds to end; what stays is a leak.
             new = [t for t in threading.enumerate() if t.ident not in before.idents]
-            for thread in new:
-                if thread.name.startswith("aoffload"):
-                    thread.join(timeout=5.0)
             server = "aoffload-server-"
+            for thread in new:
+                if thread.name.startswith("aoffload") and not thread.name.startswith(server):
+                    thread.join(timeout=5.0)
             left = [t.name for t in new if t.is_alive() and not t.name.startswith(server)]
             if _threads() > before.threads:
                 problems.append(f"{_threads() - before.threads} threads ({', '.join(left)})")
