@@ -15,8 +15,12 @@ __all__ = ["Snapshot", "child_pids"]
 
 
 def child_pids() -> set[int]:
-    """Live workers and other children of this process (see :func:`census.worker_pids`)."""
-    return census.worker_pids()
+    """Live workers and other children of this process (see :func:`census.worker_pids`),
+    but multiprocessing's forkserver, which tests/_ranks.py keeps for the whole session."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return census.worker_pids() - {server}
 
 
 def _fds() -> int:

@@ -251,7 +251,7 @@ def departure(
                     if how == "raises":
                         raise _Leaving("the victim's training step failed")
                     if how == "hangs":
-                        time.sleep(commit_timeout + 4.0)  # noqa: ASYNC251 - a stuck step
+                        time.sleep(commit_timeout + 3.0)  # noqa: ASYNC251 - a stuck step
                         failed = await _expect(engine.commit("step-2"))
                     return {"failed": failed, "close_seconds": 0.0}
                 failed = await _expect(engine.commit("step-2"))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import selectors
-import signal
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 import aoffload
 from aoffload.checkpoint.format import shm
 from aoffload.dcp import Stager, StorageReader, StorageWriter
+from tests import _dcp_kill
 from tests import _dcp_scenarios as scenarios
 from tests._leaks import Snapshot
-from tests._ranks import complete_tags, free_port, run_ranks
+from tests._ranks import complete_tags, forkserver_context, free_port, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def state(step: int) -> dict[str, Any]:
@@ -220,37 +218,41 @@ def test_the_engine_face_on_two_ranks_fails_every_rank_with_one_ranks_staging(
     assert complete_tags(tmp_path) == ["step-1"]
 
 
-def _start_rank(directory: Path, rank: int, port: int) -> subprocess.Popen[str]:
-    env = {
+@dataclass
+class _Rank:
+    process: BaseProcess
+    committed: Connection
+
+
+def _start_rank(directory: Path, rank: int, port: int) -> _Rank:
+    environ = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests._dcp_kill", str(directory)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    context = forkserver_context()
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_dcp_kill.main, args=(str(directory), environ, send))
+    process.start()
+    send.close()
+    return _Rank(process, receive)
 
 
-def _wait_for_a_commit(process: subprocess.Popen[str], seconds: float) -> None:
-    """Block until ``process`` prints its first ``committed`` line."""
-    assert process.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while selector.select(seconds):
-            line = process.stdout.readline()
-            if not line:
-                break
-            if line.startswith("committed "):
-                return
+def _wait_for_a_commit(rank: _Rank, seconds: float) -> None:
+    """Block until ``rank`` has published its first step."""
+    try:
+        if rank.committed.poll(seconds):
+            rank.committed.recv()
+            return
+    except EOFError:
+        pass
     raise AssertionError("the ranks committed nothing")
 
 
-def _kill_at_random(seed: int, ranks: list[subprocess.Popen[str]]) -> None:
+def _kill_at_random(seed: int, ranks: list[_Rank]) -> None:
     """Once ``ranks`` committed a save, SIGKILL a random one after a random delay (a
     point of a later save: staging, writing, committing, publishing); the other (stuck in
     DCP's collectives, or in its engine's commit) half a second later."""
@@ -259,15 +261,14 @@ def _kill_at_random(seed: int, ranks: list[subprocess.Popen[str]]) -> None:
         _wait_for_a_commit(ranks[0], 120)
         victim = chance.randrange(2)
         time.sleep(chance.uniform(0.0, 0.6))
-        ranks[victim].send_signal(signal.SIGKILL)
-        ranks[victim].wait()
+        ranks[victim].process.kill()
+        ranks[victim].process.join()
         time.sleep(0.5)
     finally:
-        for process in ranks:
-            process.kill()
-            process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
+        for rank in ranks:
+            rank.process.kill()
+            rank.process.join()
+            rank.committed.close()
 
 
 @pytest.mark.timeout(420)
