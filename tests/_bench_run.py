@@ -1,16 +1,26 @@
-"""The suite's one run of the whole benchmark (``--smoke``), shared by the tests that read it."""
+"""The suite's one run of the whole benchmark (``--smoke``), shared by the tests that read it.
+
+It is the suite's longest run (about 90 s of one core), and the rest of the suite leaves a
+core idle about half the time: so it starts in the background as soon as the suite is
+collected (:func:`start_bench_smoke`, from ``tests/conftest.py``) and the first test that
+reads it waits for what is left of it (:meth:`BenchSmoke.wait`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchRun", "run_bench_smoke"]
+__all__ = ["BenchRun", "BenchSmoke", "start_bench_smoke"]
+
+TIMEOUT = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,20 +36,50 @@ class BenchRun:
     charts: Path
 
 
-def run_bench_smoke(directory: Path) -> BenchRun:
-    """``python -m aoffload.bench all --smoke`` with its files and reports in ``directory``."""
-    out, per_section, charts = directory / "bench.json", directory / "sections", directory / "plots"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(  # --smoke: every section and system once, on tiny states
-        [sys.executable, "-m", "aoffload.bench", "all", "--smoke", "--json", str(out),
-         "--json-dir", str(per_section), "--plot", str(charts), "--dir", str(directory)],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
-    )  # fmt: skip
-    data = json.loads(out.read_text()) if out.exists() else None
-    sections = {
-        path.stem.removeprefix("bench-"): json.loads(path.read_text())
-        for path in sorted(per_section.glob("bench-*.json"))
-    }
-    return BenchRun(
-        completed.returncode, completed.stdout, completed.stderr, data, sections, charts
-    )
+class BenchSmoke:
+    """``python -m aoffload.bench all --smoke`` running in ``directory`` (its files and
+    reports); :meth:`wait` for its :class:`BenchRun`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._out = directory / "bench.json"
+        self._sections, self._charts = directory / "sections", directory / "plots"
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        self._process = subprocess.Popen(  # --smoke: every section and system once, tiny states
+            [sys.executable, "-m", "aoffload.bench", "all", "--smoke", "--json", str(self._out),
+             "--json-dir", str(self._sections), "--plot", str(self._charts),
+             "--dir", str(directory)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self._run: BenchRun | None = None
+
+    def wait(self) -> BenchRun:
+        """What the run reported, once it has ended (the same object on every call)."""
+        if self._run is None:
+            try:
+                stdout, stderr = self._process.communicate(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                stdout, stderr = self._process.communicate()
+                stderr += f"\n(killed: the smoke run outlasted {TIMEOUT:.0f} s)"
+            data = json.loads(self._out.read_text()) if self._out.exists() else None
+            sections = {
+                path.stem.removeprefix("bench-"): json.loads(path.read_text())
+                for path in sorted(self._sections.glob("bench-*.json"))
+            }
+            self._run = BenchRun(
+                self._process.returncode, stdout, stderr, data, sections, self._charts
+            )
+        return self._run
+
+    def stop(self) -> None:
+        """Kill the run if it is still going, then remove its directory."""
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.communicate()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_bench_smoke() -> BenchSmoke:
+    """Start the smoke run in a directory of its own (removed by :meth:`BenchSmoke.stop`)."""
+    return BenchSmoke(Path(tempfile.mkdtemp(prefix="aoffload-bench-smoke-")))

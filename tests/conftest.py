@@ -23,7 +23,7 @@ import pytest
 
 import aoffload.testing
 from aoffload.testing import loop_factories
-from tests._bench_run import BenchRun, run_bench_smoke
+from tests._bench_run import BenchRun, BenchSmoke, start_bench_smoke
 from tests._loop_ticker import LoopTicker, queued_since, report_to
 
 SLOW_CALLBACK_SECONDS = float(os.environ.get("AOFFLOAD_TEST_SLOW_CALLBACK", "0.05"))
@@ -149,8 +149,34 @@ def loop_block_guard(
         )
 
 
+_smoke: list[BenchSmoke] = []
+
+
+def _reads_smoke(item: pytest.Item) -> bool:
+    return "bench_smoke" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The tests that read the smoke run go last: it runs beside all the others meanwhile.
+    items.sort(key=_reads_smoke)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The smoke run starts in the background now, if a test that reads it was selected.
+    if any(_reads_smoke(item) for item in session.items):
+        _smoke.append(start_bench_smoke())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _smoke:
+        _smoke.pop().stop()
+
+
 @pytest.fixture(scope="session")
-def bench_smoke(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+def bench_smoke() -> BenchRun:
     """``python -m aoffload.bench all --smoke``, run once for every test that reads it (the
-    longest run of the suite: about two minutes on 2 cores)."""
-    return run_bench_smoke(tmp_path_factory.mktemp("bench"))
+    longest run of the suite: about 90 s of one core), started in the background when the
+    suite was collected (tests/_bench_run.py)."""
+    if not _smoke:
+        _smoke.append(start_bench_smoke())
+    return _smoke[0].wait()
