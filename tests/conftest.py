@@ -163,7 +163,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # The smoke run starts in the background now, if a test that reads it was selected.
-    if any(_reads_smoke(item) for item in session.items):
+    if not session.config.option.collectonly and any(map(_reads_smoke, session.items)):
         _smoke.append(start_bench_smoke())
 
 
