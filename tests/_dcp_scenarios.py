@@ -241,3 +241,61 @@ def face_on_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
             "loaded": bool(torch.equal(loaded["w"].to_local(), shard)),
             "meta": loaded["meta"],
         }
+
+
+CAPPED_LAYERS, CAPPED_ELEMENTS = 16, 256 * 1024
+"""The capped scenarios' extra state: 16 vectors of 1 MiB sharded over the ranks (4 MiB
+per rank on 2 ranks, through an engine's staging cap of 1 MiB)."""
+
+
+def _capped_state(world: int, step: int, zero: bool = False) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _state(world, torch.zeros(ROWS, COLUMNS) if zero else whole(step), -1 if zero else step)
+    for i in range(CAPPED_LAYERS):
+        value = torch.zeros(CAPPED_ELEMENTS) if zero else torch.arange(CAPPED_ELEMENTS) + 7.0 * i
+        state[f"layer{i}"] = distribute_tensor(value.float() + (0 if zero else step), mesh,
+                                               [Shard(0)])  # fmt: skip
+    return state
+
+
+@settled
+def capped_save(rank: int, world: int, directory: Path) -> list[int]:
+    """engine.dcp through a 1 MiB staging cap: two saves of a state 4x the cap per rank;
+    the number of data files each rank wrote to ``step-2``."""
+    import aoffload
+
+    with aoffload.CheckpointEngine(directory, distributed=True, staging_bytes=1 << 20) as engine:
+        for step in (1, 2):
+            response = engine.dcp.async_save(
+                _capped_state(world, step), checkpoint_id=f"step-{step}"
+            )
+            response.staging_completion.result()
+            response.upload_completion.result()
+    return sorted(
+        int(p.name.split("_")[3].split(".")[0])
+        for p in (directory / "step-2").glob(f"__{rank}_*.distcp")
+    )
+
+
+@settled
+def capped_load(rank: int, world: int, directory: Path) -> bool:
+    """Load ``latest`` of :func:`capped_save`'s directory on this world, verified: whether
+    every shard is what was saved."""
+    import torch.distributed.checkpoint as dcp
+
+    from aoffload.dcp import StorageReader
+
+    state = _capped_state(world, 0, zero=True)
+    dcp.load(state, storage_reader=StorageReader(directory))
+    expected = _capped_state(world, 2)
+    assert state["meta"] == {"step": 2, "name": "run-7"}, state["meta"]
+    for key, value in expected.items():
+        if key != "meta":
+            got = state[key]
+            local = got.to_local() if hasattr(got, "to_local") else got
+            want = value.to_local() if hasattr(value, "to_local") else value
+            assert torch.equal(local, want), key
+    return True

@@ -11,6 +11,7 @@ import torch
 
 from aoffload.bench import _dcp as section
 from aoffload.bench._dcp_peers import (
+    AOFFLOAD_DCP_CAPPED,
     AOFFLOAD_DCP_FACE,
     AOFFLOAD_ENGINE,
     DCP_BLOCKING,
@@ -41,7 +42,7 @@ def check_dcp_section(data: dict[str, Any]) -> None:
             assert all(v > 0 for v in figure["samples"]), figure
         measured.setdefault(figure["system"], set()).add(figure["metric"])
     cuda = torch.cuda.is_available()
-    expected = [DCP_BLOCKING, AOFFLOAD_ENGINE, AOFFLOAD_DCP_FACE]
+    expected = [DCP_BLOCKING, AOFFLOAD_ENGINE, AOFFLOAD_DCP_FACE, AOFFLOAD_DCP_CAPPED]
     expected += [aoffload_dcp_name(False), aoffload_dcp_name(True)]
     expected += [
         dcp_async_name(process, shared, cuda)
@@ -59,7 +60,12 @@ def check_dcp_section(data: dict[str, Any]) -> None:
     [table] = [t for t in data["tables"] if t["section"] == section.SECTION]
     assert {row[0] for row in table["rows"]} == set(measured)
     names = {r["name"] for r in data["ratios"] if r["section"] == section.SECTION}
-    for system in (aoffload_dcp_name(False), aoffload_dcp_name(True), AOFFLOAD_DCP_FACE):
+    for system in (
+        aoffload_dcp_name(False),
+        aoffload_dcp_name(True),
+        AOFFLOAD_DCP_FACE,
+        AOFFLOAD_DCP_CAPPED,
+    ):
         assert any(n.startswith(f"stall after a {steps[-1]:g} s step: {system} /") for n in names)
 
 

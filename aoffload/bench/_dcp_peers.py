@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "AOFFLOAD_DCP",
+    "AOFFLOAD_DCP_CAPPED",
     "AOFFLOAD_DCP_FACE",
     "AOFFLOAD_ENGINE",
     "AoffloadDcp",
@@ -46,6 +47,9 @@ AOFFLOAD_ENGINE = "aoffload CheckpointEngine (its own torch.save files: a refere
 AOFFLOAD_DCP = "aoffload.dcp (Stager + StorageWriter)"
 """The start of the labels of aoffload's DCP route (its DCP mode follows)."""
 AOFFLOAD_DCP_FACE = "aoffload.dcp, engine.dcp.async_save (DCP's save on the face's thread)"
+AOFFLOAD_DCP_CAPPED = (
+    "aoffload.dcp, engine.dcp.async_save through staging_bytes = a quarter of the state"
+)
 DCP_BLOCKING = "DCP save, FileSystemWriter (blocking)"
 TORCH_CHECKPOINTING = "torch_checkpointing"
 """The start of torch_checkpointing's label (its version and writes follow)."""
@@ -338,16 +342,26 @@ class AoffloadDcp:
 
 class AoffloadDcpFace:
     """aoffload's DCP route as the engine's face: ``engine.dcp.async_save`` (the same
-    Stager and StorageWriter, DCP's ``save`` on the face's long-lived thread)."""
+    Stager and StorageWriter, DCP's ``save`` on the face's long-lived thread); with
+    ``staging_bytes``, an engine capped below the state, through which it streams."""
 
     note = AoffloadDcp.note
 
-    def __init__(self, state: dict[str, torch.Tensor], root: Path) -> None:
+    def __init__(
+        self, state: dict[str, torch.Tensor], root: Path, staging_bytes: int | None = None
+    ) -> None:
         import aoffload
 
-        self.name = AOFFLOAD_DCP_FACE
+        self.name = AOFFLOAD_DCP_FACE if staging_bytes is None else AOFFLOAD_DCP_CAPPED
+        if staging_bytes is not None:
+            self.note = (
+                f"{AoffloadDcp.note}; the engine's staging_bytes is {staging_bytes / 2**20:.0f} "
+                "MiB: the state streams through it in waves, a file each"
+            )
         self.state = state
-        self.engine = aoffload.CheckpointEngine(root, distributed=True, keep_last=1)
+        self.engine = aoffload.CheckpointEngine(
+            root, distributed=True, keep_last=1, staging_bytes=staging_bytes
+        )
         self.engine.start()
 
     def save(self, path: Path) -> Save:

@@ -32,7 +32,10 @@ TENSOR_BYTES = 64 << 20  # each rank's state: tensors of this size at most
 def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], Any] | None]]:
     """Every system, in the order they run: (a name for errors, a factory; None for
     torch_checkpointing, whose writes are chosen by :func:`_torch_checkpointing`)."""
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    cap = max(1 << 20, nbytes // 4 >> 20 << 20)  # a quarter of the state, in whole MiB
     from ._dcp_peers import (
+        AOFFLOAD_DCP_CAPPED,
         AOFFLOAD_DCP_FACE,
         AOFFLOAD_ENGINE,
         TORCH_CHECKPOINTING,
@@ -58,6 +61,7 @@ def _peers(state: Any, root: Path, rank: int) -> list[tuple[str, Callable[[], An
         (AOFFLOAD_ENGINE, lambda: AoffloadEngine(state, root / "aoffload", rank)),
         (aoffload_dcp_name(False), lambda: AoffloadDcp(state, root / "aoffload-dcp", False)),
         (AOFFLOAD_DCP_FACE, lambda: AoffloadDcpFace(state, root / "aoffload-dcp-face")),
+        (AOFFLOAD_DCP_CAPPED, lambda: AoffloadDcpFace(state, root / "aoffload-dcp-cap", cap)),
         (TORCH_CHECKPOINTING, None),
         *process,
         # after DCP's PROCESS blocks: DCP's daemon, once started, outlives its block

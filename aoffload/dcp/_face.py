@@ -34,10 +34,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .._errors import CheckpointError
 from .._runtime.handle import Handle, in_thread
 from .._runtime.threads import DaemonThreadExecutor, running_future
+from ..checkpoint.core.copy import stage_events
 from ..checkpoint.format import layout
 from ._reader import StorageReader
 from ._service import Service
-from ._stager import Stager
+from ._stager import Stager, _record
+from ._waves import WaveMemory, Waves, state_bytes
 from ._writer import StorageWriter
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ class DcpFace:
         self._stager: Stager | None = None
         self._group: Any = None
         self._thread: DaemonThreadExecutor | None = None
+        self._waves: WaveMemory | None = None
         self._closed = False
 
     @property
@@ -130,7 +133,21 @@ class DcpFace:
         tag = layout.validate_tag(checkpoint_id)
         state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         writer = StorageWriter(self._engine.directory, tag, engine=self._engine, metadata=metadata)
-        staged = stager.stage(state)
+        recorded = _record(state)
+        cap = self._engine._core.staging_cap
+        if state_bytes(recorded) > cap:  # streamed through the cap, in waves
+            with self._lock:
+                if self._waves is None:
+                    self._waves = WaveMemory(cap)
+                memory = self._waves
+            waves = Waves(memory, state, recorded, stage_events())
+            writer.waves = waves
+            staged: concurrent.futures.Future[dict[str, Any]] = running_future()
+            staged.set_result(state)
+            fence: concurrent.futures.Future[None] = waves.fence
+        else:
+            staged = stager.stage(state)
+            fence = _chained(staged, None)
         published: concurrent.futures.Future[CommitResult] = running_future()
         with self._lock:
             if self._thread is None:
@@ -140,7 +157,7 @@ class DcpFace:
         # thread's last call) must not hold the staged state and its staging memory
         job = functools.partial(self._save, [staged], writer, planner, group, alone, published)
         thread.submit(job)
-        return AsyncSave(Handle(_chained(staged, None)), Handle(published))
+        return AsyncSave(Handle(fence), Handle(published))
 
     def _save(
         self,
@@ -169,9 +186,13 @@ class DcpFace:
                 del state  # the staging memory is free for the next save from here
             except CheckpointException as exc:
                 raise unwrapped(exc) from exc
+            if writer.waves is not None:
+                writer.waves.settle(None)
             commit = self._engine.commit(writer.tag)
             published.set_result(commit.result())
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            if writer.waves is not None:
+                writer.waves.settle(exc)
             published.set_exception(exc)
 
     def save(
@@ -232,12 +253,15 @@ class DcpFace:
             self._closed = True
             stager, self._stager = self._stager, None
             thread, self._thread = self._thread, None
+            waves, self._waves = self._waves, None
             service = self._service
         try:
             if thread is not None:
                 thread.shutdown(wait=True)  # the saves asked for end (the engine still runs)
             if stager is not None:
                 stager.close()
+            if waves is not None:
+                waves.close()
         finally:
             if service is not None:
                 service.close()

@@ -26,7 +26,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +42,13 @@ if TYPE_CHECKING:
     from ..checkpoint.core.result import CommitResult
     from ..checkpoint.core.tags import FileJob
 
-__all__ = ["Finish", "Release", "Service", "WriteRank"]
+__all__ = ["Finish", "Release", "Service", "Submit", "WriteRank"]
 
 logger = logging.getLogger(__name__)
+
+
+Submit = Callable[["FileJob", tuple[Record, ...]], None]
+"""How :meth:`Service.write_files`'s ``fill`` hands a file's records to the writer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,62 +114,100 @@ class Service:
 
     def write(self, request: WriteRank) -> tuple[FileRecord, ...]:
         """Write one rank's files of the tag, then start the commit (see the module)."""
-        external, tag = self._external, request.tag
-        jobs: list[FileJob] = []
-        metadata: FileJob | None = None
-        failure: BaseException | None = None
-        try:
-            for name, _ in request.files:
-                jobs.append(external.reserve(tag, name))
-            if request.coordinator:
-                metadata = external.reserve(tag, METADATA)
+        external = self._external
+
+        def fill(jobs: list[FileJob], submit: Submit) -> None:
             for path in request.segments:
                 external.map(path, _segment_size(path))
             for job, (_, records) in zip(jobs, request.files, strict=True):
-                external.write(job, records)
+                submit(job, records)
+
+        names = [name for name, _ in request.files]
+        return self.write_files(request.tag, names, request.coordinator, request.metadata, fill)
+
+    def write_files(
+        self,
+        tag: str,
+        names: list[str],
+        coordinator: bool,
+        metadata: Mapping[str, Any] | None,
+        fill: Callable[[list[FileJob], Submit], None],
+    ) -> tuple[FileRecord, ...]:
+        """Reserve the rank's files ``names`` of ``tag`` (and ``.metadata`` on the
+        coordinator), have ``fill`` hand each to the writer (``submit(job, records)``, in
+        this process), wait until they are durable, then start the commit, whatever
+        happened. If ``fill`` fails, the files it handed over are waited for first (the
+        writer is done with the tag's folder before the commit discards it)."""
+        external = self._external
+        jobs: list[FileJob] = []
+        submitted: list[FileJob] = []
+        reserved_metadata: FileJob | None = None
+        failure: BaseException | None = None
+
+        def submit(job: FileJob, records: tuple[Record, ...]) -> None:
+            submitted.append(job)
+            external.write(job, records)
+
+        try:
+            for name in names:
+                jobs.append(external.reserve(tag, name))
+            if coordinator:
+                reserved_metadata = external.reserve(tag, METADATA)
+            fill(jobs, submit)
             return tuple(job.written.result() for job in jobs)
         except BaseException as exc:
             failure = exc
+            concurrent.futures.wait([job.written for job in submitted])
+            for job in jobs:
+                if job not in submitted:
+                    external.fail(job, exc)
             raise
         finally:
-            self._commit(request, jobs, metadata, failure)
+            self._commit(tag, metadata, jobs, reserved_metadata, failure)
+
+    @property
+    def external(self) -> External:
+        """The engine's files written from records built here (what ``fill`` writes with)."""
+        return self._external
 
     def _commit(
         self,
-        request: WriteRank,
+        tag: str,
+        metadata: Mapping[str, Any] | None,
         jobs: list[FileJob],
-        metadata: FileJob | None,
+        reserved_metadata: FileJob | None,
         failure: BaseException | None,
     ) -> None:
         """Start the commit of the tag: every rank does, once its part is written or failed."""
         external = self._external
-        reserved = [*jobs, *([metadata] if metadata is not None else [])]
+        reserved = [*jobs, *([reserved_metadata] if reserved_metadata is not None else [])]
         if not reserved:
             return  # the tag is not open here (committed already, a closed engine): no commit
         if failure is not None:
             external.poison(reserved[0], failure)
-            if metadata is not None:
-                external.fail(metadata, failure)
+            if reserved_metadata is not None:
+                external.fail(reserved_metadata, failure)
         try:
-            commit = external.commit(request.tag, request.metadata)
+            commit = external.commit(tag, metadata)
         except BaseException:
             if failure is None:
                 raise
-            logger.exception("checkpoint %r: its commit could not start", request.tag)
+            logger.exception("checkpoint %r: its commit could not start", tag)
             return
-        if metadata is None or failure is not None:
+        if reserved_metadata is None or failure is not None:
             return
+        job = reserved_metadata
 
         def ended(future: concurrent.futures.Future[Any]) -> None:
             error = future.exception()
             if error is not None:  # another rank failed: .metadata will never come
-                external.fail(metadata, error)
+                external.fail(job, error)
             with self._lock:
-                if self._pending.get(request.tag, (None,))[0] is future:
-                    del self._pending[request.tag]
+                if self._pending.get(tag, (None,))[0] is future:
+                    del self._pending[tag]
 
         with self._lock:
-            self._pending[request.tag] = (commit, metadata)
+            self._pending[tag] = (commit, job)
         commit.add_done_callback(ended)
 
     def finish(self, request: Finish) -> CommitResult:

@@ -30,7 +30,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -111,10 +111,17 @@ class _Layout:
         return offset
 
 
+class _Sources(Protocol):
+    """What a :class:`_Copy` copies: sources (storages, or anything with their
+    ``device``, ``data_ptr()`` and ``nbytes()``) and their offsets in the segment."""
+
+    storages: list[tuple[Any, int]]
+
+
 class _Copy:
     """One state's storages copied into one segment by every thread of a pool."""
 
-    def __init__(self, segment: Segment, placed: _Layout, events: Events) -> None:
+    def __init__(self, segment: Segment, placed: _Sources, events: Events) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._pieces: list[Callable[[], object]] = []

@@ -27,7 +27,7 @@ import pickle
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -51,6 +51,9 @@ from ._memory import Locator
 from ._records import dense, tensor_pickle
 from ._service import Finish, Release, Service, WriteRank
 from ._stager import Stager
+
+if TYPE_CHECKING:
+    from ._waves import Waves
 
 __all__ = ["StorageWriter"]
 
@@ -102,6 +105,9 @@ class StorageWriter(_DcpStorageWriter):
         self.refuse: BaseException | None = None
         """Set (by ``engine.dcp``) when this rank's staging failed: the save fails at its
         first step, on every rank, with this error."""
+        self.waves: Waves | None = None
+        """Set (by ``engine.dcp``) for a state larger than the engine's staging cap: the
+        items are staged here, in waves, each written as a file (:mod:`._waves`)."""
 
     # -- where it writes ------------------------------------------------------------------
 
@@ -130,6 +136,7 @@ class StorageWriter(_DcpStorageWriter):
         if state["_door"] is None:
             state["_door"] = self._service().door()
         state["_engine"] = None
+        state["waves"] = None  # only engine.dcp sets it, and never pickles its writer
         return state
 
     @property
@@ -209,6 +216,12 @@ class StorageWriter(_DcpStorageWriter):
         if tag is None:  # pragma: no cover - set_up_storage_writer refused it
             raise CheckpointError("no tag")
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else ""
+        future: Future[list[WriteResult]] = Future()
+        if self.waves is not None:
+            results = self.waves.write(self._service(), tag, prefix or "__0_", plan, planner,
+                                       self.is_coordinator, self.metadata)  # fmt: skip
+            future.set_result(results)
+            return future
         name = f"{prefix or '__0_'}0{DEFAULT_SUFFIX}"
         link = self._link()
         locator = Locator()
@@ -245,7 +258,6 @@ class StorageWriter(_DcpStorageWriter):
                     link(Release(paths))
                 finally:
                     scratch.close()
-        future: Future[list[WriteResult]] = Future()
         future.set_result(_results(plan, name, written))
         return future
 

@@ -87,6 +87,8 @@ class EngineCore:
         self._commit_timeout = commit_timeout
         self._staging_bytes = staging_bytes
         self._pipeline: Pipeline | None = None
+        self.staging_cap = 0
+        """The staging cap in force once started: ``staging_bytes``, or the default cap."""
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
         self._tag_bytes = layout.MAX_TAG_BYTES
@@ -119,6 +121,7 @@ class EngineCore:
                 shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
                 chosen, latest = self._staging_bytes, read.latest_bytes(self.directory, found)
                 cap = chosen or default_cap(self.coordinator.together)
+                self.staging_cap = cap
                 shm.check_room(latest, self._max_pending, cap, chosen is not None)
                 self.writer.start(self._start_timeout)
                 self._pipeline = Pipeline(self.tags, self.writer, cap, self._unloadable)
