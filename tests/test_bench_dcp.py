@@ -57,8 +57,9 @@ def check_dcp_section(data: dict[str, Any]) -> None:
     for system in ours:
         assert measured[system] == metrics, system
         assert "writes" in system  # which writes it was given, O_DIRECT or buffered
+    assert measured.pop(section.DISK) == {f"time to durable, {steps[0]:g} s step"}
     [table] = [t for t in data["tables"] if t["section"] == section.SECTION]
-    assert {row[0] for row in table["rows"]} == set(measured)
+    assert {row[0] for row in table["rows"]} == {*measured, section.DISK}
     names = {r["name"] for r in data["ratios"] if r["section"] == section.SECTION}
     for system in (
         aoffload_dcp_name(False),
@@ -67,6 +68,7 @@ def check_dcp_section(data: dict[str, Any]) -> None:
         AOFFLOAD_DCP_CAPPED,
     ):
         assert any(n.startswith(f"stall after a {steps[-1]:g} s step: {system} /") for n in names)
+        assert f"time to durable, {steps[0]:g} s step: {system} / {section.DISK}" in names
 
 
 @pytest.mark.timeout(600)  # it may be the test that runs the whole benchmark

@@ -13,8 +13,11 @@ excluded, then the measured ones):
   buffered writes where its O_DIRECT fails, as the label then says);
 * aoffload's DCP route: ``dcp.async_save`` with ``aoffload.dcp``'s ``Stager`` and
   ``StorageWriter`` (through a distributed ``CheckpointEngine``), in THREAD and PROCESS
-  modes, and the engine's face for it, ``engine.dcp.async_save``;
-* aoffload's ``CheckpointEngine`` on its own format, as a reference.
+  modes, and the engine's face for it, ``engine.dcp.async_save``, also through an engine
+  whose staging cap is a quarter of the state (it streams through the cap in waves);
+* aoffload's ``CheckpointEngine`` on its own format, as a reference;
+* the disk's floor: each rank's bytes written raw with ``O_DIRECT`` and fsynced, every rank
+  at once (no system is durable sooner), with each system's time to durable over it.
 
 Per save, on every rank: the **call**; the **stall after a blocking step** of 0, 0.5 and
 2 s (the call plus the wait at the system's fence after the step; the step is
@@ -50,6 +53,8 @@ STEPS = (0.0, 0.5, 2.0)
 SMOKE_STEPS = (0.0, 0.05, 0.2)
 """--smoke's steps: the same three cases (none, longer than the copy, much longer)."""
 SAMPLE_SECONDS = 0.01
+DISK = "the disk: each rank's bytes written raw (O_DIRECT, fsync), every rank at once"
+DISK_NOTE = "the floor of any system's time to durable on this disk; one file per rank"
 MIB = float(1 << 20)
 
 
@@ -124,6 +129,7 @@ def _report(
                 samples[name, "peak PSS, rank + its processes"].append(peak / MIB)
                 if alone is not None:
                     samples[name, "peak PSS over the rank alone"].append((peak - alone) / MIB)
+        samples[DISK, f"time to durable, {steps[0]:g} s step"] += record.get("raw", [])
     share = f"{WORLD} ranks x {per_rank / MIB:.0f} MiB; samples of every rank"
     metrics = [
         "call",
@@ -137,7 +143,7 @@ def _report(
         for metric in metrics:
             if values := samples.get((name, metric)):
                 unit = "MiB" if "PSS" in metric else "s"
-                note = share if unit == "MiB" else f"{share}; {first['notes'].get(name, '')}"
+                note = share if unit == "MiB" else f"{share}; {first['notes'].get(name, DISK_NOTE)}"
                 report.add(SECTION, name, metric, unit, values, note)
     _summary(report, systems, steps)
 
@@ -169,6 +175,12 @@ def _summary(report: Report, systems: list[str], steps: tuple[float, ...]) -> No
     report.tables.append(Table(SECTION, "DCP and its peers, per rank (medians)", columns, rows))
     stagers = [s for s in systems if "DefaultStager" in s]
     ours = [s for s in systems if s.startswith("aoffload")]
+    durable = f"time to durable, {steps[0]:g} s step"
+    disk = report.find(SECTION, DISK, durable)
+    for system in [*stagers, *ours] if disk is not None else ():
+        report.ratio(
+            SECTION, f"{durable}: {system} / {DISK}", report.find(SECTION, system, durable), disk
+        )
     for metric in (
         f"stall after a {steps[-1]:g} s step",
         f"time to durable, {steps[0]:g} s step",

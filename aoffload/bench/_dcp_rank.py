@@ -134,6 +134,23 @@ def _torch_checkpointing(state: Any, path: Path) -> tuple[Any, str | None]:
     return peer, error
 
 
+def _raw_writes(base: Path, rank: int, state: dict[str, Any], reps: int) -> list[float]:
+    """The disk's floor: the rank's bytes written raw with O_DIRECT and fsynced, every rank
+    at once (as their checkpoints are), ``reps`` times."""
+    import torch.distributed as dist
+
+    from ._checkpoint import disk_seconds
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    folder = base / f"raw-{rank}"
+    folder.mkdir(exist_ok=True)
+    seconds = []
+    for _ in range(reps):
+        dist.barrier()
+        seconds.append(disk_seconds(folder, nbytes))
+    return seconds
+
+
 def _clean(path: Path, rank: int) -> None:
     import torch.distributed as dist
 
@@ -200,6 +217,7 @@ def main(
                     _clean(path, rank)
         finally:
             peer.close()
+    record["raw"] = _raw_writes(base, rank, state, reps)
     dist.barrier()
     (base / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
