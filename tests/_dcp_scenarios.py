@@ -299,3 +299,32 @@ def capped_load(rank: int, world: int, directory: Path) -> bool:
             want = value.to_local() if hasattr(value, "to_local") else value
             assert torch.equal(local, want), key
     return True
+
+
+@settled
+def capped_refused(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """engine.dcp through a 1 MiB cap where the last rank holds an item larger than the
+    cap: every rank's save must fail at once, naming it, and ``latest`` stay; the next
+    save must commit on every rank (each rank took part in the failed one's commit, so
+    the ranks still number their commits alike)."""
+    import time
+
+    import aoffload
+
+    engine = aoffload.CheckpointEngine(
+        directory, distributed=True, staging_bytes=1 << 20, commit_timeout=20
+    )
+    with engine:
+        engine.dcp.save(_capped_state(world, 1), checkpoint_id="step-1").result()
+        state = _capped_state(world, 2)
+        state[f"extra{rank}"] = torch.zeros((4 if rank == world - 1 else 1) << 18)
+        started = time.monotonic()
+        try:
+            engine.dcp.save(state, checkpoint_id="step-2").result()
+            failed = "nothing was raised"
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            failed = f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - started
+        latest = engine.latest()
+        after = engine.dcp.save(_capped_state(world, 3), checkpoint_id="step-3").result().tag
+    return {"failed": failed, "seconds": seconds, "latest": latest, "after": after}

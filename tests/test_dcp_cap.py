@@ -180,3 +180,15 @@ def test_saved_through_the_cap_on_two_ranks_loads_on_one_and_on_four(tmp_path: P
         assert all(
             o.check() for o in run_ranks(world, "tests._dcp_scenarios:capped_load", tmp_path)
         )
+
+
+@pytest.mark.timeout(200)
+def test_an_item_over_the_cap_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    for outcome in run_ranks(2, "tests._dcp_scenarios:capped_refused", tmp_path, timeout=180):
+        seen = outcome.check()
+        assert "larger staging_bytes" in seen["failed"], seen["failed"]
+        assert "extra1" in seen["failed"], seen["failed"]
+        assert seen["seconds"] < 15  # not the commit's timeout (20 s here)
+        assert seen["latest"] == "step-1"
+        assert seen["after"] == "step-3"
+    assert complete_tags(tmp_path) == ["step-1", "step-3"]

@@ -163,12 +163,22 @@ class Waves:
         coordinator: bool,
         metadata: Any,
     ) -> list[WriteResult]:
-        """Stage and write the rank's ``plan`` in waves, one file each; durable on return."""
-        items = [self._item(position, item, planner) for position, item in enumerate(plan.items)]
-        waves = list(self._waves(items))
+        """Stage and write the rank's ``plan`` in waves, one file each; durable on return.
+
+        A failure before the first file (an item that cannot be staged) still goes through
+        :meth:`Service.write_files`, so that this rank takes part in the tag's commit and
+        every rank's commit fails at once instead of waiting for this one."""
+        refused: BaseException | None = None
+        try:
+            items = [self._item(at, item, planner) for at, item in enumerate(plan.items)]
+            waves = list(self._waves(items))
+        except Exception as exc:  # noqa: BLE001 - raised by fill, once the file is reserved
+            refused, waves = exc, [[]]
         names = [f"{prefix}{k}{DEFAULT_SUFFIX}" for k in range(len(waves))]
 
         def fill(jobs: list[FileJob], submit: Submit) -> None:
+            if refused is not None:
+                raise refused
             self._fill(service, jobs, submit, waves)
 
         written = service.write_files(tag, names, coordinator, metadata, fill)
