@@ -328,3 +328,32 @@ def capped_refused(rank: int, world: int, directory: Path) -> dict[str, Any]:
         latest = engine.latest()
         after = engine.dcp.save(_capped_state(world, 3), checkpoint_id="step-3").result().tag
     return {"failed": failed, "seconds": seconds, "latest": latest, "after": after}
+
+
+@settled
+def refused_in_write_data(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """Plain ``dcp.save`` through ``StorageWriter`` (no stager: ``write_data`` copies), where
+    the last rank holds a tensor that cannot be staged: every rank's save fails, and the
+    next one commits on every rank (the refusing rank took part in the failed commit)."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import aoffload
+    from aoffload.dcp import StorageWriter
+
+    with aoffload.CheckpointEngine(directory, distributed=True, commit_timeout=20) as engine:
+        dcp.save(_state(world, whole(1), 1), storage_writer=StorageWriter(directory, tag="step-1"))
+        state = _state(world, whole(2), 2)
+        if rank == world - 1:
+            state["odd"] = torch.ones(4, dtype=torch.complex64).conj()  # a conjugate bit
+        started = time.monotonic()
+        try:
+            dcp.save(state, storage_writer=StorageWriter(directory, tag="step-2"))
+            failed = "nothing was raised"
+        except CheckpointException as exc:
+            failed = str(exc)
+        seconds = time.monotonic() - started
+        dcp.save(_state(world, whole(3), 3), storage_writer=StorageWriter(directory, tag="step-3"))
+        return {"failed": failed, "seconds": seconds, "latest": engine.latest()}

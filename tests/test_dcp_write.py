@@ -301,3 +301,15 @@ def test_a_rank_killed_at_a_random_point_leaves_latest_loadable(tmp_path: Path) 
                            directories=[str(d) for d in directories], timeout=240)  # fmt: skip
     for outcome in same_world:
         assert outcome.check() == latest_steps
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_whose_write_data_cannot_stage_fails_the_save_and_not_the_next(
+    tmp_path: Path,
+) -> None:
+    for outcome in run_ranks(2, "tests._dcp_scenarios:refused_in_write_data", tmp_path):
+        seen = outcome.check()
+        assert "conjugate" in seen["failed"], seen["failed"]
+        assert seen["seconds"] < 15  # not the commit's timeout (20 s here)
+        assert seen["latest"] == "step-3"  # the next save committed on every rank
+    assert complete_tags(tmp_path) == ["step-1", "step-3"]

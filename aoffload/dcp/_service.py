@@ -61,6 +61,9 @@ class WriteRank:
     segments: tuple[str, ...]
     coordinator: bool
     metadata: Mapping[str, Any] | None
+    refused: str | None = None
+    """Why this rank's items could not be staged: its files fail, and so does the commit
+    it still takes part in (so that the ranks number their commits alike)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,8 @@ class Service:
         external = self._external
 
         def fill(jobs: list[FileJob], submit: Submit) -> None:
+            if request.refused is not None:
+                raise CheckpointError(f"this rank's items could not be staged: {request.refused}")
             for path in request.segments:
                 external.map(path, _segment_size(path))
             for job, (_, records) in zip(jobs, request.files, strict=True):

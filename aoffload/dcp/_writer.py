@@ -224,40 +224,30 @@ class StorageWriter(_DcpStorageWriter):
             return future
         name = f"{prefix or '__0_'}0{DEFAULT_SUFFIX}"
         link = self._link()
-        locator = Locator()
-        records: list[Record | None] = []
-        copies: dict[str, torch.Tensor] = {}
-        for index, item in enumerate(plan.items):
-            data: Any = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                records.append(RawRecord(bytes(data.getbuffer())))
-                continue
-            tensor: torch.Tensor = data.detach()
-            record = _tensor_record(tensor, locator)
-            if record is None:
-                copies[str(index)] = tensor if dense(tensor) else tensor.contiguous()
-            records.append(record)
-        scratch = Stager() if copies else None
+        scratch: list[Stager] = []
+        refused: Exception | None = None
         try:
-            if scratch is not None:  # tensors not in aoffload's staging memory: copied there
-                for key, staged in scratch.stage(copies).result().items():
-                    records[int(key)] = _tensor_record(staged, locator)
-            done = tuple(r for r in records if r is not None)
-            if len(done) != len(records):  # pragma: no cover - a staged tensor is found
-                raise CheckpointError("a staged tensor was not found in staging memory")
-            segments = sorted(
-                {s.segment for r in done if isinstance(r, TorchRecord) for s in _spans(r)}
-            )
-            request = WriteRank(tag, ((name, done),), tuple(segments), self.is_coordinator,
-                                self.metadata)  # fmt: skip
-            [written] = link(request)
+            try:
+                done, segments = _records(plan, planner, scratch)
+                request = WriteRank(tag, ((name, done),), segments, self.is_coordinator,
+                                    self.metadata)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - raised once this rank's commit started
+                refused = exc
+                request = WriteRank(tag, ((name, ()),), (), self.is_coordinator, self.metadata,
+                                    f"{type(exc).__name__}: {exc}")  # fmt: skip
+            try:
+                [written] = link(request)
+            except BaseException:
+                if refused is not None:
+                    raise refused from None
+                raise
         finally:
-            if scratch is not None:
-                paths = tuple(segment.path for segment in scratch._segments)
+            for stager in scratch:
+                paths = tuple(segment.path for segment in stager._segments)
                 try:
                     link(Release(paths))
                 finally:
-                    scratch.close()
+                    stager.close()
         future.set_result(_results(plan, name, written))
         return future
 
@@ -269,6 +259,37 @@ class StorageWriter(_DcpStorageWriter):
         metadata.storage_meta = self.storage_meta()
         metadata.version = CURRENT_DCP_VERSION
         self._link()(Finish(self.tag, pickle.dumps(metadata)))
+
+
+def _records(
+    plan: SavePlan, planner: SavePlanner, scratch: list[Stager]
+) -> tuple[tuple[Record, ...], tuple[str, ...]]:
+    """The rank's records, and the staging segments their spans name. Tensors not in
+    aoffload's staging memory are copied there by a scratch stager, appended to
+    ``scratch`` (the caller releases it)."""
+    locator = Locator()
+    records: list[Record | None] = []
+    copies: dict[str, torch.Tensor] = {}
+    for index, item in enumerate(plan.items):
+        data: Any = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            records.append(RawRecord(bytes(data.getbuffer())))
+            continue
+        tensor: torch.Tensor = data.detach()
+        record = _tensor_record(tensor, locator)
+        if record is None:
+            copies[str(index)] = tensor if dense(tensor) else tensor.contiguous()
+        records.append(record)
+    if copies:
+        stager = Stager()
+        scratch.append(stager)
+        for key, staged in stager.stage(copies).result().items():
+            records[int(key)] = _tensor_record(staged, locator)
+    done = tuple(r for r in records if r is not None)
+    if len(done) != len(records):  # pragma: no cover - a staged tensor is found
+        raise CheckpointError("a staged tensor was not found in staging memory")
+    segments = sorted({s.segment for r in done if isinstance(r, TorchRecord) for s in _spans(r)})
+    return done, tuple(segments)
 
 
 def _spans(record: TorchRecord) -> list[Span]:
