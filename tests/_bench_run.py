@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests import _leaks
+
 __all__ = ["BenchRun", "BenchSmoke", "start_bench_smoke"]
 
 TIMEOUT = 600.0
@@ -51,6 +53,7 @@ class BenchSmoke:
              "--dir", str(directory)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
+        _leaks.BACKGROUND.add(self._process.pid)  # its /dev/shm segments are not the tests'
         self._run: BenchRun | None = None
 
     def wait(self) -> BenchRun:

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from aoffload._runtime import census, launcher
 from aoffload._runtime.census import SHM_DIR
 
-__all__ = ["Snapshot", "child_pids"]
+__all__ = ["BACKGROUND", "Snapshot", "child_pids"]
+
+BACKGROUND: set[int] = set()
+"""Processes started beside the tests (the suite's background benchmark): what their trees
+put in /dev/shm is theirs, not a leak of the test that happens to run meanwhile."""
 
 
 def child_pids() -> set[int]:
@@ -21,6 +25,36 @@ def child_pids() -> set[int]:
 
     server = getattr(forkserver._forkserver, "_forkserver_pid", None)
     return census.worker_pids() - {server}
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _ours(name: str) -> bool:
+    """Whether /dev/shm entry ``name`` (``aoffload-<pid>-...`` or ``aoffload-load-<pid>-...``)
+    may be this process's or its workers': a process of this tree, or one gone (its
+    leftovers are what a leak looks like), but not another live process's, nor the
+    background benchmark's tree's."""
+    parts = name.split("-")
+    digits = parts[2] if len(parts) > 2 and parts[1] == "load" else parts[1]
+    if not digits.isdigit():
+        return True
+    pid, me = int(digits), os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        if pid in BACKGROUND:
+            return False
+        parent = _parent(pid)
+        if parent is None:
+            return pid == int(digits)  # the entry's own process is gone: count it
+        pid = parent
+    return False
 
 
 def _fds() -> int:
@@ -47,7 +81,7 @@ class Snapshot:
         """Read the counts now."""
         # Only aoffload's names: other processes of a shared machine come and go in /dev/shm.
         names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
-        shm = frozenset(name for name in names if name.startswith("aoffload-"))
+        shm = frozenset(name for name in names if name.startswith("aoffload-") and _ours(name))
         return cls(
             children=frozenset(child_pids()),
             fds=_fds(),
