@@ -22,6 +22,7 @@ import aoffload
 from aoffload.checkpoint.format import shm
 from tests._leaks import Snapshot
 from tests._ranks import complete_tags, run_ranks
+from tests.test_dcp_write import same
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -61,16 +62,6 @@ def blank() -> dict[str, Any]:
         "optim": {"step": torch.tensor(0), "lr": 0.0},
         "step": 0,
     }
-
-
-def same(got: Any, expected: Any) -> bool:
-    if isinstance(expected, torch.Tensor):
-        return isinstance(got, torch.Tensor) and torch.equal(got, expected)
-    if isinstance(expected, dict):
-        return got.keys() == expected.keys() and all(same(got[k], v) for k, v in expected.items())
-    if isinstance(expected, list):
-        return len(got) == len(expected) and all(map(same, got, expected))
-    return bool(got == expected)
 
 
 def staging_bytes() -> int:

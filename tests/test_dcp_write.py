@@ -55,6 +55,8 @@ def same(got: Any, expected: Any) -> bool:
         return isinstance(got, torch.Tensor) and torch.equal(got, expected)
     if isinstance(expected, dict):
         return got.keys() == expected.keys() and all(same(got[k], v) for k, v in expected.items())
+    if isinstance(expected, list):
+        return len(got) == len(expected) and all(map(same, got, expected))
     return bool(got == expected)
 
 
