@@ -146,7 +146,7 @@ class DcpFace:
             staged.set_result(state)
             fence: concurrent.futures.Future[None] = waves.fence
         else:
-            staged = stager.stage(state)
+            staged = stager._stage(state, recorded)
             fence = _chained(staged, None)
         published: concurrent.futures.Future[CommitResult] = running_future()
         with self._lock:

@@ -268,7 +268,13 @@ class Stager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> concurrent.futures.Future[dict[str, Any]]:
         """Start staging ``state_dict``; the future of its staged copy (see the class)."""
-        recorded = _record(state_dict)
+        return self._stage(state_dict, _record(state_dict))
+
+    def _stage(
+        self, state_dict: dict[str, Any], recorded: _Recorded
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """:meth:`stage`, with the state's tensors already recorded (:func:`_record`, on
+        the caller's thread: ``engine.dcp`` walks the state once, for its size too)."""
         events = stage_events()
         future: concurrent.futures.Future[dict[str, Any]] = running_future()
         with self._lock:
