@@ -34,6 +34,12 @@ from aoffload.checkpoint.writer.calls import (
     WriterConfig,
     WriteRecords,
 )
+from aoffload.checkpoint.writer.sink import (
+    BOUNCE_BYTES,
+    LARGE_BOUNCE_BYTES,
+    LARGE_FILE,
+    bounce_bytes,
+)
 
 
 @pytest.fixture
@@ -177,3 +183,36 @@ def test_an_aborted_stream_fails_and_leaves_no_file(
     assert not path.exists()
     assert os.listdir(tmp_path) == []  # the directories made for it went too
     writer.request(FeedFile(str(path), (Staging(segment).put(b"x"),)), timeout=60)  # dropped
+
+
+def test_a_large_file_goes_through_the_large_buffers_and_a_small_one_after_it(
+    tmp_path: Path, writer: WorkerCore, segment: Segment
+) -> None:
+    """A file of LARGE_FILE bytes or more is written in 64 MiB blocks (both buffers, and a
+    padded last block), a small one after it through the same kept buffers: each file holds
+    exactly what was fed, as the xxh3-64 of the bytes fed says."""
+    array = segment.array
+    assert array is not None
+    piece = segment.size
+    for nbytes in (LARGE_FILE + 12345, 3 * piece + 777):
+        path = tmp_path / f"{nbytes}.bin"
+        answer = writer.submit(WriteRecords(str(path), (RawRecord(Streamed(nbytes)),)))
+        expected = xxhash.xxh3_64()
+        for number, start in enumerate(range(0, nbytes, piece)):
+            size = min(piece, nbytes - start)
+            array[:size] = torch.arange(size, dtype=torch.uint8) + number  # differs per piece
+            expected.update(array[:size].numpy().tobytes())
+            writer.request(FeedFile(str(path), (Span(segment.path, 0, size),)), timeout=60)
+        record = answer.result(timeout=120)
+        assert record.nbytes == nbytes == path.stat().st_size
+        written = xxhash.xxh3_64()
+        with path.open("rb") as file:
+            while block := file.read(64 << 20):
+                written.update(block)
+        assert record.xxh3_64 == written.hexdigest() == expected.hexdigest()
+        path.unlink()
+
+
+def test_the_write_size_follows_the_file() -> None:
+    assert bounce_bytes(0) == bounce_bytes(LARGE_FILE - 1) == BOUNCE_BYTES
+    assert bounce_bytes(LARGE_FILE) == bounce_bytes(1 << 40) == LARGE_BOUNCE_BYTES

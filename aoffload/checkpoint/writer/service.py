@@ -44,8 +44,8 @@ from .calls import (
     WriterConfig,
     WriteRecords,
 )
-from .sink import Sink, open_for_write
-from .stream import FileStream
+from .sink import Sink, bounce_bytes, open_for_write
+from .stream import FileStream, records_nbytes
 from .watch import announce_death
 
 __all__ = ["WriterService"]
@@ -137,9 +137,10 @@ class WriterService(Service):
 
     def _write(self, message: WriteRecords) -> FileRecord | concurrent.futures.Future[FileRecord]:
         started = time.perf_counter()
-        bounce = self._bounces.pop() if self._bounces else None
+        nbytes = records_nbytes(message.records)
+        bounce = self._bounce(bounce_bytes(nbytes))
         fd, buffers, bounce = open_for_write(
-            message.path, self._config.direct_io, bounce, message.root
+            message.path, self._config.direct_io, bounce, message.root, nbytes
         )
         sink = Sink(fd, buffers, self._io_thread)
         opened = _Open(message.path, message.root, fd, sink, bounce, 0.0)
@@ -154,6 +155,18 @@ class WriterService(Service):
         opened.answer = concurrent.futures.Future()
         self._open[message.path] = opened
         return opened.answer
+
+    def _bounce(self, size: int) -> mmap.mmap | None:
+        """A kept pair of bounce buffers of at least ``size`` bytes each, the smallest;
+        ``None`` when none is that large (the smaller ones kept are let go: a file that
+        needs larger buffers makes them, and they are kept in their place)."""
+        fitting = [bounce for bounce in self._bounces if len(bounce) >= 2 * size]
+        if not fitting:
+            self._bounces.clear()
+            return None
+        chosen = min(fitting, key=len)
+        self._bounces.remove(chosen)
+        return chosen
 
     def _feed(self, message: FeedFile) -> None:
         opened = self._open.get(message.path)

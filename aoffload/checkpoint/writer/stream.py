@@ -24,7 +24,7 @@ import numpy as np
 from .archive import Archive, Out
 from .calls import Data, RawRecord, Record, Streamed, TorchRecord
 
-__all__ = ["FileStream"]
+__all__ = ["FileStream", "records_nbytes"]
 
 _ENCODE_CHUNK = 16 << 20  # bytes of a blob encoded at a time
 _BLOB_HEAD = b"c_codecs\nencode\nX"  # GLOBAL _codecs.encode, BINUNICODE <length> ...
@@ -74,6 +74,11 @@ def _steps(records: tuple[Record, ...]) -> list[_Step]:
             raise TypeError(f"not a record: {record!r}")
         steps.append(_Step(_Kind.END))
     return steps
+
+
+def records_nbytes(records: tuple[Record, ...]) -> int:
+    """The bytes the records' parts hold: the file's size but for its archive framing."""
+    return sum(step.nbytes for step in _steps(records))
 
 
 def _utf8_nbytes(data: memoryview | bytes) -> int:
