@@ -37,6 +37,7 @@ from aoffload.checkpoint.writer.calls import (
 from aoffload.checkpoint.writer.sink import (
     BOUNCE_BYTES,
     LARGE_BOUNCE_BYTES,
+    LARGE_CAP,
     LARGE_FILE,
     bounce_bytes,
 )
@@ -213,6 +214,8 @@ def test_a_large_file_goes_through_the_large_buffers_and_a_small_one_after_it(
         path.unlink()
 
 
-def test_the_write_size_follows_the_file() -> None:
+def test_the_write_size_follows_the_file_and_the_staging_cap() -> None:
     assert bounce_bytes(0) == bounce_bytes(LARGE_FILE - 1) == BOUNCE_BYTES
     assert bounce_bytes(LARGE_FILE) == bounce_bytes(1 << 40) == LARGE_BOUNCE_BYTES
+    assert bounce_bytes(LARGE_FILE, LARGE_CAP) == LARGE_BOUNCE_BYTES
+    assert bounce_bytes(LARGE_FILE, LARGE_CAP - 1) == BOUNCE_BYTES  # memory is scarce

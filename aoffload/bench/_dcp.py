@@ -27,8 +27,11 @@ entries that publish it fsynced: where a system does not fsync, the bench does, 
 timed span, and the figure's note says so); the **peak host memory** while the save runs:
 the PSS of the rank and every process it started (``/proc/PID/smaps_rollup``, sampled by
 the bench's own process, :mod:`._pss`), absolute and over the rank alone before any
-system ran. The PROCESS-mode blocks run last: DCP's checkpoint process, once started,
-lives as long as the rank and would count in every later block's memory.
+system ran. A PSS sample of a process with GiBs resident costs it most of a core, so the
+times come from saves made while the sampling is paused, and the memory from 3 more
+saves per system (after a 0 s step) made while it runs. The PROCESS-mode blocks run
+last: DCP's checkpoint process, once started, lives as long as the rank and would count in
+every later block's memory.
 """
 
 from __future__ import annotations
@@ -80,13 +83,24 @@ def run(
 
     context = multiprocessing.get_context("spawn")
     port = _free_port()
+    sampler = PssSampler(interval=SAMPLE_SECONDS, quiet=context.Event(), resting=context.Event())
     processes = [
         context.Process(
-            target=_dcp_rank.main, args=(rank, WORLD, port, str(root), per_rank, steps, reps)
+            target=_dcp_rank.main,
+            args=(
+                rank,
+                WORLD,
+                port,
+                str(root),
+                per_rank,
+                steps,
+                reps,
+                sampler.quiet,
+                sampler.resting,
+            ),
         )
         for rank in range(WORLD)
     ]
-    sampler = PssSampler(interval=SAMPLE_SECONDS)
     try:
         with sampler:
             for process in processes:
@@ -123,6 +137,8 @@ def _report(
             samples[name, "call"].append(run_["call"])
             samples[name, f"stall after a {step:g} s step"].append(run_["stall"])
             samples[name, f"time to durable, {step:g} s step"].append(run_["durable"])
+        for run_ in record["sampled"]:
+            name = run_["system"]
             end = run_["end"] + 2 * SAMPLE_SECONDS
             peak = sampler.peak(pid, run_["start"], end)
             if peak is not None:

@@ -134,6 +134,10 @@ def _torch_checkpointing(state: Any, path: Path) -> tuple[Any, str | None]:
     return peer, error
 
 
+SAMPLED = 3
+"""Saves per system whose peak memory is sampled (after its timed ones)."""
+
+
 def _raw_writes(base: Path, rank: int, state: dict[str, Any], reps: int) -> list[float]:
     """The disk's floor: the rank's bytes written raw with O_DIRECT and fsynced, every rank
     at once (as their checkpoints are), ``reps`` times."""
@@ -160,10 +164,37 @@ def _clean(path: Path, rank: int) -> None:
     dist.barrier()
 
 
+def _sampling(rank: int, quiet: Any, resting: Any, on: bool) -> None:
+    """Every rank at once: the section's PSS sampling resumes (``on``) or pauses (rank 0
+    says which, and waits until a pause has taken hold)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        if on:
+            quiet.clear()
+        else:
+            quiet.set()
+            if not resting.wait(60):
+                raise RuntimeError("the PSS sampler did not pause")
+    dist.barrier()
+
+
 def main(
-    rank: int, world: int, port: int, root: str, nbytes: int, steps: tuple[float, ...], reps: int
+    rank: int,
+    world: int,
+    port: int,
+    root: str,
+    nbytes: int,
+    steps: tuple[float, ...],
+    reps: int,
+    quiet: Any,
+    resting: Any,
 ) -> None:
-    """The rank's whole run (the target of a spawned process)."""
+    """The rank's whole run (the target of a spawned process). Times come from saves made
+    while the section's PSS sampling is paused (``quiet``, ``resting``: a sample of a
+    process with GiBs resident costs it most of a core), peak memory from saves made while
+    it runs."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -188,6 +219,7 @@ def main(
     record: dict[str, Any] = {
         "pid": os.getpid(),
         "runs": [],
+        "sampled": [],
         "skipped": {},
         "failed": {},
         "notes": {},
@@ -209,15 +241,24 @@ def main(
             continue
         record["notes"][peer.name] = peer.note
         try:
+            _sampling(rank, quiet, resting, on=False)
             for rep in range(reps):
                 for number, step in enumerate(steps):
                     dist.barrier()
                     run = _timed(peer, path / f"r{rep}-s{number}", step)
                     record["runs"].append({"system": peer.name, **run})
                     _clean(path, rank)
+            _sampling(rank, quiet, resting, on=True)
+            for rep in range(min(reps, SAMPLED)):
+                dist.barrier()
+                run = _timed(peer, path / f"m{rep}", steps[0])
+                record["sampled"].append({"system": peer.name, **run})
+                _clean(path, rank)
         finally:
             peer.close()
+    _sampling(rank, quiet, resting, on=False)
     record["raw"] = _raw_writes(base, rank, state, reps)
+    _sampling(rank, quiet, resting, on=True)
     dist.barrier()
     (base / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

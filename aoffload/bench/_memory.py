@@ -13,11 +13,13 @@ reports, not what it measures).
   goal, state + 640 MiB), the time from ``stage()`` to durable after no step (goal,
   capped <= 1.15x uncapped; each <= 1.1x a raw ``O_DIRECT`` write+fsync of the same bytes,
   made right after each commit, paired), and the stall after a blocking step 1.5x longer
-  than the streaming (goal <= 1 ms); the last checkpoint is loaded back and compared;
+  than the streaming (goal <= 1 ms); the last checkpoint is loaded back and compared.
+  Memory comes from saves made while this process samples PSS, time from saves made
+  while it pauses (a sample of a process with GiBs resident costs it most of a core);
 * 200 saves of a 256 MiB state (``--quick``: 60; ``--smoke``: 6 of 16 MiB): the PSS of the
   trainer and of its writer after save 20 and after the last (goal: growth <= 1%);
 * DCP's ``async_save`` with a ``DefaultStager`` and ``torch_checkpointing``, the same
-  state: their peak PSS beside aoffload's.
+  state: their peak PSS beside aoffload's (their time to durable likewise unsampled).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _spawn(
 
     out = root / f"{kind}-{len(list(root.glob('*.json')))}.json"
     process = multiprocessing.get_context("spawn").Process(
-        target=_memory_run.main, args=(kind, str(root / "files"), nbytes, options, str(out))
+        target=_memory_run.main,
+        args=(kind, str(root / "files"), nbytes, options, str(out), sampler.quiet, sampler.resting),
     )
     process.start()
     if process.pid is not None:
@@ -85,7 +88,8 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
     """Measure every system and add the figures to ``report``."""
     nbytes = 64 << 20 if smoke else GIB if quick else 4 * GIB
     cap = nbytes // 8
-    reps = 1 if smoke else 3
+    reps = 1 if smoke else 5  # aoffload's saves, each paired with a raw write
+    peer_reps = 1 if smoke else 3
     saves, early, long_bytes = (6, 2, 16 << 20) if smoke else (60, 10, 256 << 20) if quick else (
         200, 20, 256 << 20
     )  # fmt: skip
@@ -94,12 +98,18 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
     uncapped = "aoffload, default staging cap"
     progress(f"memory: {nbytes / MIB:.0f} MiB state, cap {cap / MIB:.0f} MiB, {saves} saves")
     root = Path(tempfile.mkdtemp(prefix="aoffload-bench-memory-", dir=directory))
-    sampler = PssSampler(interval=SAMPLE_SECONDS)
+    spawn = multiprocessing.get_context("spawn")
+    sampler = PssSampler(interval=SAMPLE_SECONDS, quiet=spawn.Event(), resting=spawn.Event())
     state = f"{nbytes / MIB:.0f} MiB state"
     try:
         with sampler:
             for system, system_cap in ((uncapped, None), (capped, cap)):
-                options = {"cap": system_cap, "steps": [0.0, -1.0], "reps": reps}
+                options = {
+                    "cap": system_cap,
+                    "steps": [0.0, -1.0],
+                    "reps": reps,
+                    "sampled": peer_reps,
+                }
                 try:
                     record = _spawn("aoffload", root, nbytes, options, sampler, limit)
                 except Exception as exc:  # noqa: BLE001 - an aoffload failure fails the run
@@ -114,7 +124,7 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
                 report.fail(SECTION, "aoffload, many saves", exc)
             for kind, system in (("dcp", DCP), ("torch_checkpointing", TORCH_CHECKPOINTING)):
                 try:
-                    record = _spawn(kind, root, nbytes, {"reps": reps}, sampler, limit)
+                    record = _spawn(kind, root, nbytes, {"reps": peer_reps}, sampler, limit)
                 except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped
                     report.skip(SECTION, system, f"{type(exc).__name__}: {exc}")
                     continue
@@ -124,8 +134,9 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
                 report.add(
                     SECTION, system, "peak PSS over the trainer before its state", "MiB", over
                 )
-                durable = [r["durable"] for r in record["runs"]]
-                report.add(SECTION, system, "time to durable, 0 s step", "s", durable, note)
+                durable = [r["durable"] for r in record["timed"]]
+                report.add(SECTION, system, "time to durable, 0 s step", "s", durable,
+                           f"{note}; timed with the PSS sampling paused")  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
     _summary(report, [uncapped, capped, DCP, TORCH_CHECKPOINTING], nbytes)
@@ -141,19 +152,20 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
 def _aoffload(
     report: Report, system: str, record: dict[str, Any], sampler: PssSampler, state: str
 ) -> None:
-    runs = record["runs"]
+    runs, timed = record["runs"], record["timed"]
     if not record["equal"]:
         report.fail(SECTION, system, "the committed checkpoint did not load equal")
-    quick = [r for r in runs if r["step"] == 0.0]
-    slow = [r for r in runs if r["step"] != 0.0]
+    quick = [r for r in timed if r["step"] == 0.0]
+    slow = [r for r in timed if r["step"] != 0.0]
     peaks, over = _peaks(sampler, record)
     note = f"{state}; the PSS of the trainer, its worker server and its writer"
     report.add(SECTION, system, "peak staging memory (CommitResult)", "MiB",
-               [r["staging_peak"] / MIB for r in runs], state)  # fmt: skip
+               [r["staging_peak"] / MIB for r in runs + timed], state)  # fmt: skip
     report.add(SECTION, system, "peak PSS, trainer + its processes", "MiB", peaks, note)
     report.add(SECTION, system, "peak PSS over the trainer before its state", "MiB", over,
                f"{note}; goal: the state + 640 MiB")  # fmt: skip
-    report.add(SECTION, system, "time to durable, 0 s step", "s", [r["durable"] for r in quick])
+    report.add(SECTION, system, "time to durable, 0 s step", "s", [r["durable"] for r in quick],
+               "timed with the PSS sampling paused")  # fmt: skip
     report.add(SECTION, system, "raw O_DIRECT write+fsync, same bytes", "s",
                [r["raw"] for r in quick], "made right after each commit")  # fmt: skip
     report.add(SECTION, system, "time to durable / raw O_DIRECT (paired)", "x",

@@ -7,14 +7,21 @@ process's tree PSS and finds the peaks inside them), and per save its times. Kin
 
 * ``aoffload``: a :class:`~aoffload.CheckpointEngine` (``options["cap"]``: its
   ``staging_bytes``, ``None`` for the default), a synchronous trainer: ``stage()``, a
-  blocking step, the fence, ``commit()``; each commit followed by a raw ``O_DIRECT``
+  blocking step, the fence, ``commit()``; saves whose PSS is sampled (``runs``), then timed
+  saves with the sampling paused (``timed``), each commit followed by a raw ``O_DIRECT``
   write+fsync of as many bytes (paired, outside the timed spans); the last checkpoint
   loaded back and compared;
 * ``long``: ``options["saves"]`` saves of the state, the PSS of this process and of its
   writer read after save ``options["early"]`` and after the last;
 * ``dcp``: DCP's ``async_save`` (THREAD) with a ``DefaultStager`` (async staging, shared
   memory: its lowest stall on the CPU) and ``FileSystemWriter``; ``torch_checkpointing``:
-  its ``CheckpointManager``. One warm-up save each (its staging buffers then exist).
+  its ``CheckpointManager``. One warm-up save each (its staging buffers then exist), sampled
+  saves, then timed ones.
+
+The section's process samples PSS from outside, and a sample of a process with GiBs
+resident costs it most of a core (:class:`._pss.PssSampler`): every figure of time here
+comes from saves made while the sampling is paused (:func:`_unsampled`), and every figure
+of memory from saves made while it runs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +53,27 @@ def _state(nbytes: int) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _unsampled(quiet: Any, resting: Any) -> Iterator[None]:
+    """Pause the section's PSS sampling (its ``quiet`` and ``resting`` events) while timing."""
+    quiet.set()
+    try:
+        if not resting.wait(60):
+            raise RuntimeError("the PSS sampler did not pause")
+        yield
+    finally:
+        quiet.clear()
+
+
 def _idle() -> list[float]:
     start = time.monotonic()
     time.sleep(IDLE_SECONDS)
     return [start, time.monotonic()]
 
 
-def _aoffload(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def _aoffload(
+    root: Path, state: dict[str, Any], options: dict[str, Any], quiet: Any, resting: Any
+) -> dict[str, Any]:
     import torch
 
     import aoffload
@@ -60,11 +82,12 @@ def _aoffload(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dic
 
     cap, steps, reps = options["cap"], options["steps"], options["reps"]
     runs: list[dict[str, Any]] = []
+    timed: list[dict[str, Any]] = []
     directory = root / "ckpt"
     with aoffload.CheckpointEngine(directory, keep_last=1, staging_bytes=cap) as engine:
         number = 0
 
-        def save(step: float) -> dict[str, Any]:
+        def save(step: float, raw: bool = True) -> dict[str, Any]:
             nonlocal number
             number += 1
             tag = f"t{number}"
@@ -84,7 +107,7 @@ def _aoffload(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dic
                 "durable": end - start,
                 "start": start,
                 "end": end,
-                "raw": disk_seconds(root, result.bytes),
+                "raw": disk_seconds(root, result.bytes) if raw else None,
                 "staging_bytes": result.staging_bytes,
                 "staging_peak": result.staging_peak_bytes,
                 "bytes": result.bytes,
@@ -92,15 +115,24 @@ def _aoffload(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dic
 
         warm = save(0.0)  # staging memory exists and is warm from here on
         long_step = max(0.05, 1.5 * warm["streaming"] + 0.05)
-        for _ in range(reps):
-            for step in steps:
-                runs.append(save(long_step if step < 0 else step))
+        for _ in range(options["sampled"]):
+            runs.append(save(0.0, raw=False))
+        with _unsampled(quiet, resting):
+            for _ in range(reps):
+                for step in steps:
+                    timed.append(save(long_step if step < 0 else step))
         loaded = engine.load("model.pt").result()
         equal = loaded.keys() == state.keys() and all(
             torch.equal(loaded[key], value) for key, value in state.items()
         )
         writer = engine.pid
-    return {"runs": runs, "equal": equal, "writer": writer, "long_step": long_step}
+    return {
+        "runs": runs,
+        "timed": timed,
+        "equal": equal,
+        "writer": writer,
+        "long_step": long_step,
+    }
 
 
 def _long(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -123,23 +155,25 @@ def _long(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dict[st
     return {"readings": readings, "early": early, "saves": saves}
 
 
-def _saves(peer: Any, root: Path, kind: str, reps: int) -> list[dict[str, Any]]:
-    """A warm-up save (excluded), then ``reps`` measured ones, each to durable."""
+def _saves(peer: Any, root: Path, kind: str, reps: int, first: int = 1) -> list[dict[str, Any]]:
+    """``reps`` saves, each to durable, after ``first`` warm-up saves (excluded)."""
     runs: list[dict[str, Any]] = []
-    for number in range(reps + 1):
+    for number in range(1 - first, reps + 1):
         path = root / f"{kind}-{number}"
         start = time.monotonic()
         save = peer.save(path)
         save.fence()
         save.durable()
         end = time.monotonic()
-        if number:
+        if number > 0:
             runs.append({"start": start, "end": end, "durable": end - start})
         shutil.rmtree(path, ignore_errors=True)
     return runs
 
 
-def _peer(root: Path, state: dict[str, Any], kind: str, reps: int) -> dict[str, Any]:
+def _peer(
+    root: Path, state: dict[str, Any], kind: str, reps: int, quiet: Any, resting: Any
+) -> dict[str, Any]:
     from ._checkpoint_systems import init_single_process_group
     from ._dcp_peers import DcpAsync, TorchCheckpointing
 
@@ -153,6 +187,8 @@ def _peer(root: Path, state: dict[str, Any], kind: str, reps: int) -> dict[str, 
         peer = make()
         try:
             runs = _saves(peer, root, kind, reps)
+            with _unsampled(quiet, resting):
+                timed = _saves(peer, root, kind, reps, first=0)
         except Exception:
             if number == len(makers) - 1:
                 raise
@@ -161,12 +197,21 @@ def _peer(root: Path, state: dict[str, Any], kind: str, reps: int) -> dict[str, 
         finally:
             with contextlib.suppress(Exception):
                 peer.close()
-        return {"runs": runs, "name": peer.name, "note": peer.note}
+        return {"runs": runs, "timed": timed, "name": peer.name, "note": peer.note}
     raise RuntimeError("no mode of the peer ran")  # pragma: no cover - the loop returns
 
 
-def main(kind: str, root: str, nbytes: int, options: dict[str, Any], out: str) -> None:
-    """The whole run of one system (the target of a spawned process)."""
+def main(
+    kind: str,
+    root: str,
+    nbytes: int,
+    options: dict[str, Any],
+    out: str,
+    quiet: Any,
+    resting: Any,
+) -> None:
+    """The whole run of one system (the target of a spawned process); ``quiet`` and
+    ``resting`` pause the section's PSS sampling (:func:`_unsampled`)."""
     logging.basicConfig(level=logging.WARNING, format=f"[{kind}] %(name)s: %(message)s")
     import torch  # noqa: F401 - imported before the idle window: the trainer has it
 
@@ -176,9 +221,9 @@ def main(kind: str, root: str, nbytes: int, options: dict[str, Any], out: str) -
     state = _state(nbytes)
     record["with_state"] = _idle()
     if kind == "aoffload":
-        record.update(_aoffload(base, state, options))
+        record.update(_aoffload(base, state, options, quiet, resting))
     elif kind == "long":
         record.update(_long(base, state, options))
     else:
-        record.update(_peer(base, state, kind, options["reps"]))
+        record.update(_peer(base, state, kind, options["reps"], quiet, resting))
     Path(out).write_text(json.dumps(record))

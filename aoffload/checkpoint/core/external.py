@@ -115,7 +115,12 @@ class External:
         """Write ``job``'s file as ``records`` (their spans mapped by :meth:`map`); its
         ``written`` future resolves with the writer's answer (durable, hashed)."""
         open_tag = job.open_tag
-        message = WriteRecords(str(open_tag.tmpdir / job.name), records, root=self.directory)
+        message = WriteRecords(
+            str(open_tag.tmpdir / job.name),
+            records,
+            root=self.directory,
+            staging_cap=self._core.staging_cap,
+        )
 
         def written(record: Any, error: BaseException | None) -> None:
             if error is None and not isinstance(record, FileRecord):

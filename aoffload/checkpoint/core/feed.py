@@ -69,7 +69,7 @@ class FileFeed:
             tuple(Blob(at, Streamed(len(value))) for at, value in planned.blobs),
         )
         root = str(job.open_tag.tmpdir.parent)
-        self._message = WriteRecords(self._path, (record,), root=root)
+        self._message = WriteRecords(self._path, (record,), root=root, staging_cap=pool.cap)
         self._lock = threading.Lock()
         self._ready: dict[int, tuple[Chunk, int]] = {}  # copied, not yet fed
         self._fed = 0  # chunks handed to the writer, in order

@@ -147,7 +147,9 @@ class WriteRecords(Call[FileRecord]):
     file through the sink: hashed (xxh3-64 of the whole file) and written as they pass,
     with ``O_DIRECT`` where the filesystem supports it, never read back; nothing is
     unpickled. ``root`` is the checkpoint directory: ``path`` lies below it and is
-    opened without following a link below it. The answer says where each record landed.
+    opened without following a link below it. ``staging_cap`` (the sending engine's) bounds
+    the writer's buffers for the file (:func:`~.sink.bounce_bytes`). The answer says where
+    each record landed.
 
     Parts given as :class:`Streamed` arrive later, through :class:`FeedFile` calls: the
     writer writes each piece as it arrives (the file is open from this call on), and
@@ -158,6 +160,7 @@ class WriteRecords(Call[FileRecord]):
     path: str
     records: tuple[Record, ...]
     root: str = ""
+    staging_cap: int = 0
     plain = True
 
 

@@ -137,10 +137,10 @@ class WriterService(Service):
 
     def _write(self, message: WriteRecords) -> FileRecord | concurrent.futures.Future[FileRecord]:
         started = time.perf_counter()
-        nbytes = records_nbytes(message.records)
-        bounce = self._bounce(bounce_bytes(nbytes))
+        size = bounce_bytes(records_nbytes(message.records), message.staging_cap)
+        bounce = self._bounce(size)
         fd, buffers, bounce = open_for_write(
-            message.path, self._config.direct_io, bounce, message.root, nbytes
+            message.path, self._config.direct_io, bounce, message.root, size
         )
         sink = Sink(fd, buffers, self._io_thread)
         opened = _Open(message.path, message.root, fd, sink, bounce, 0.0)

@@ -21,6 +21,7 @@ from ... import _paths
 __all__ = [
     "BOUNCE_BYTES",
     "LARGE_BOUNCE_BYTES",
+    "LARGE_CAP",
     "LARGE_FILE",
     "Sink",
     "bounce_bytes",
@@ -33,15 +34,17 @@ BOUNCE_BYTES = 16 << 20
 """Bytes per bounce buffer (two of them) for ``O_DIRECT`` writes of a file under
 :data:`LARGE_FILE`; each write to the disk is one buffer."""
 LARGE_BOUNCE_BYTES = 64 << 20
-"""Bytes per bounce buffer of a file of :data:`LARGE_FILE` or more. A disk can take one
-64 MiB write at a time a good deal faster than four of 16 MiB: on the virtual disk of
-the host these figures come from, a 4 GiB file reached durable about a quarter sooner
-(``docs/performance.md``). The price is 96 MiB more of the writer's memory while such a
-file is written (the buffers are kept for the next one), so files under
-:data:`LARGE_FILE` keep the smaller buffers."""
+"""Bytes per bounce buffer of a large file (:func:`bounce_bytes`). A disk can take one
+64 MiB write at a time faster than four of 16 MiB: on the virtual disk of the host these
+figures come from, a 4 GiB save was durable in 0.81x the time (``docs/performance.md``).
+The price is 96 MiB more of the writer's memory once such a file has been written (the
+buffers are kept for the next one)."""
 LARGE_FILE = 512 << 20
-"""A file of this many bytes or more is written through :data:`LARGE_BOUNCE_BYTES`
+"""A file of this many bytes or more may be written through :data:`LARGE_BOUNCE_BYTES`
 buffers: their 128 MiB are at most a quarter of it."""
+LARGE_CAP = 1 << 30
+"""...when the engine's staging cap is this large or larger: the buffers are then at most
+an eighth of the memory its user gave staging. A smaller cap says memory is scarce."""
 _DIRECT_ALIGN = 4096
 _GIL_FREE_COPY = 1 << 16
 
@@ -135,20 +138,22 @@ class Sink(io.RawIOBase):
             os.ftruncate(self._fd, self.nbytes)
 
 
-def bounce_bytes(nbytes: int) -> int:
-    """Bytes per bounce buffer (one write to the disk) for a file of ``nbytes`` bytes."""
-    return LARGE_BOUNCE_BYTES if nbytes >= LARGE_FILE else BOUNCE_BYTES
+def bounce_bytes(nbytes: int, staging_cap: int = 0) -> int:
+    """Bytes per bounce buffer (one write to the disk) for a file of ``nbytes`` bytes from
+    an engine whose staging cap is ``staging_cap`` (0: not known, no bound)."""
+    roomy = staging_cap == 0 or staging_cap >= LARGE_CAP
+    return LARGE_BOUNCE_BYTES if nbytes >= LARGE_FILE and roomy else BOUNCE_BYTES
 
 
 def open_for_write(
-    path: str, direct_io: bool, bounce: mmap.mmap | None, root: str = "", nbytes: int = 0
+    path: str, direct_io: bool, bounce: mmap.mmap | None, root: str = "", size: int = BOUNCE_BYTES
 ) -> tuple[int, tuple[memoryview, memoryview] | None, mmap.mmap | None]:
     """Open ``path`` for writing, with ``O_DIRECT`` when asked and supported.
 
     With ``root`` (the checkpoint directory), ``path`` lies below it and is opened, its
-    missing directories made, without following a link below ``root``. ``nbytes`` (the
-    file's size, as far as it is known) chooses the size of the bounce buffers
-    (:func:`bounce_bytes`); ``bounce`` is used when it is large enough. Returns the fd,
+    missing directories made, without following a link below ``root``. ``size`` is each
+    bounce buffer's (:func:`bounce_bytes`); ``bounce`` is used when it is large enough.
+    Returns the fd,
     the two bounce buffers (``None`` without ``O_DIRECT``) and the mapping that holds them
     (``bounce``, or one made here, for the caller to keep).
     """
@@ -170,7 +175,6 @@ def open_for_write(
         except OSError:
             logger.debug("O_DIRECT is not supported for %s; writing through the page cache", path)
         else:
-            size = bounce_bytes(nbytes)
             if bounce is None or len(bounce) < 2 * size:
                 bounce = mmap.mmap(-1, 2 * size)
             both = memoryview(bounce)
