@@ -124,7 +124,8 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
                 report.fail(SECTION, "aoffload, many saves", exc)
             for kind, system in (("dcp", DCP), ("torch_checkpointing", TORCH_CHECKPOINTING)):
                 try:
-                    record = _spawn(kind, root, nbytes, {"reps": peer_reps}, sampler, limit)
+                    options = {"reps": peer_reps, "timed": not smoke}
+                    record = _spawn(kind, root, nbytes, options, sampler, limit)
                 except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped
                     report.skip(SECTION, system, f"{type(exc).__name__}: {exc}")
                     continue

@@ -172,8 +172,11 @@ def _saves(peer: Any, root: Path, kind: str, reps: int, first: int = 1) -> list[
 
 
 def _peer(
-    root: Path, state: dict[str, Any], kind: str, reps: int, quiet: Any, resting: Any
+    root: Path, state: dict[str, Any], kind: str, options: dict[str, Any], quiet: Any, resting: Any
 ) -> dict[str, Any]:
+    """The peer's sampled saves, then (unless ``options["timed"]`` is false: ``--smoke``,
+    whose figures measure nothing) as many timed with the sampling paused."""
+    reps = options["reps"]
     from ._checkpoint_systems import init_single_process_group
     from ._dcp_peers import DcpAsync, TorchCheckpointing
 
@@ -186,9 +189,10 @@ def _peer(
     for number, make in enumerate(makers):
         peer = make()
         try:
-            runs = _saves(peer, root, kind, reps)
-            with _unsampled(quiet, resting):
-                timed = _saves(peer, root, kind, reps, first=0)
+            runs = timed = _saves(peer, root, kind, reps)
+            if options["timed"]:
+                with _unsampled(quiet, resting):
+                    timed = _saves(peer, root, kind, reps, first=0)
         except Exception:
             if number == len(makers) - 1:
                 raise
@@ -225,5 +229,5 @@ def main(
     elif kind == "long":
         record.update(_long(base, state, options))
     else:
-        record.update(_peer(base, state, kind, options["reps"], quiet, resting))
+        record.update(_peer(base, state, kind, options, quiet, resting))
     Path(out).write_text(json.dumps(record))
