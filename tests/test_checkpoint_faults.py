@@ -76,7 +76,7 @@ def test_sigkill_at_random_points_never_leaves_a_partial_latest(tmp_path: Path) 
         asyncio.run(crash_once(tmp_path, seed))
         before = before or Snapshot.take()  # after the first spawn started the resource tracker
         seen.add(asyncio.run(verify_directory(tmp_path)))
-        assert not [p for p in os.listdir("/dev/shm") if p.startswith("aoffload-")]
+        assert not Snapshot.take().shm  # this tree's: the background benchmark makes its own
     assert len(seen) > 1  # the kills landed at different points
     assert before is not None
     after = Snapshot.take()

@@ -166,9 +166,11 @@ def _clean(path: Path, rank: int) -> None:
 
 def _sampling(rank: int, quiet: Any, resting: Any, on: bool) -> None:
     """Every rank at once: the section's PSS sampling resumes (``on``) or pauses (rank 0
-    says which, and waits until a pause has taken hold)."""
+    says which, and waits until a pause has taken hold); nothing without ``quiet``."""
     import torch.distributed as dist
 
+    if quiet is None:
+        return
     dist.barrier()
     if rank == 0:
         if on:
@@ -249,7 +251,7 @@ def main(
                     record["runs"].append({"system": peer.name, **run})
                     _clean(path, rank)
             _sampling(rank, quiet, resting, on=True)
-            for rep in range(min(reps, SAMPLED)):
+            for rep in range(min(reps, SAMPLED) if quiet is not None else 0):
                 dist.barrier()
                 run = _timed(peer, path / f"m{rep}", steps[0])
                 record["sampled"].append({"system": peer.name, **run})
@@ -259,6 +261,8 @@ def main(
     _sampling(rank, quiet, resting, on=False)
     record["raw"] = _raw_writes(base, rank, state, reps)
     _sampling(rank, quiet, resting, on=True)
+    if quiet is None:  # --smoke: one set of saves, sampled and timed at once
+        record["sampled"] = record["runs"]
     dist.barrier()
     (base / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

@@ -55,7 +55,11 @@ def _state(nbytes: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _unsampled(quiet: Any, resting: Any) -> Iterator[None]:
-    """Pause the section's PSS sampling (its ``quiet`` and ``resting`` events) while timing."""
+    """Pause the section's PSS sampling (its ``quiet`` and ``resting`` events) while timing
+    (nothing without them: ``--smoke``)."""
+    if quiet is None:
+        yield
+        return
     quiet.set()
     try:
         if not resting.wait(60):
@@ -121,6 +125,8 @@ def _aoffload(
             for _ in range(reps):
                 for step in steps:
                     timed.append(save(long_step if step < 0 else step))
+        if quiet is None:  # --smoke: one set of saves, sampled and timed at once
+            runs = timed
         loaded = engine.load("model.pt").result()
         equal = loaded.keys() == state.keys() and all(
             torch.equal(loaded[key], value) for key, value in state.items()
