@@ -43,8 +43,9 @@ LARGE_FILE = 512 << 20
 """A file of this many bytes or more may be written through :data:`LARGE_BOUNCE_BYTES`
 buffers: their 128 MiB are at most a quarter of it."""
 LARGE_CAP = 1 << 30
-"""...when the engine's staging cap is this large or larger: the buffers are then at most
-an eighth of the memory its user gave staging. A smaller cap says memory is scarce."""
+"""The smallest staging cap of an engine whose large files get the large buffers: they are
+then at most an eighth of the memory its user gave staging. A smaller cap says memory is
+scarce, and keeps the small ones."""
 _DIRECT_ALIGN = 4096
 _GIL_FREE_COPY = 1 << 16
 
@@ -153,9 +154,8 @@ def open_for_write(
     With ``root`` (the checkpoint directory), ``path`` lies below it and is opened, its
     missing directories made, without following a link below ``root``. ``size`` is each
     bounce buffer's (:func:`bounce_bytes`); ``bounce`` is used when it is large enough.
-    Returns the fd,
-    the two bounce buffers (``None`` without ``O_DIRECT``) and the mapping that holds them
-    (``bounce``, or one made here, for the caller to keep).
+    Returns the fd, the two bounce buffers (``None`` without ``O_DIRECT``) and the mapping
+    that holds them (``bounce``, or one made here, for the caller to keep).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
