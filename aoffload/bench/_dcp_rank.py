@@ -17,9 +17,11 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from ._pss import paused
 
 __all__ = ["main"]
 
@@ -164,22 +166,17 @@ def _clean(path: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _sampling(rank: int, quiet: Any, resting: Any, on: bool) -> None:
-    """Every rank at once: the section's PSS sampling resumes (``on``) or pauses (rank 0
-    says which, and waits until a pause has taken hold); nothing without ``quiet``."""
+@contextlib.contextmanager
+def _unsampled(rank: int, quiet: Any, resting: Any) -> Iterator[None]:
+    """Every rank at once: the section's PSS sampling pauses for the block (rank 0 pauses
+    it, :func:`._pss.paused`; the others wait for that at a barrier)."""
     import torch.distributed as dist
 
-    if quiet is None:
-        return
     dist.barrier()
-    if rank == 0:
-        if on:
-            quiet.clear()
-        else:
-            quiet.set()
-            if not resting.wait(60):
-                raise RuntimeError("the PSS sampler did not pause")
-    dist.barrier()
+    with paused(quiet, resting) if rank == 0 else contextlib.nullcontext():
+        dist.barrier()
+        yield
+        dist.barrier()
 
 
 def main(
@@ -243,14 +240,13 @@ def main(
             continue
         record["notes"][peer.name] = peer.note
         try:
-            _sampling(rank, quiet, resting, on=False)
-            for rep in range(reps):
-                for number, step in enumerate(steps):
-                    dist.barrier()
-                    run = _timed(peer, path / f"r{rep}-s{number}", step)
-                    record["runs"].append({"system": peer.name, **run})
-                    _clean(path, rank)
-            _sampling(rank, quiet, resting, on=True)
+            with _unsampled(rank, quiet, resting):
+                for rep in range(reps):
+                    for number, step in enumerate(steps):
+                        dist.barrier()
+                        run = _timed(peer, path / f"r{rep}-s{number}", step)
+                        record["runs"].append({"system": peer.name, **run})
+                        _clean(path, rank)
             for rep in range(min(reps, SAMPLED) if quiet is not None else 0):
                 dist.barrier()
                 run = _timed(peer, path / f"m{rep}", steps[0])
@@ -258,9 +254,8 @@ def main(
                 _clean(path, rank)
         finally:
             peer.close()
-    _sampling(rank, quiet, resting, on=False)
-    record["raw"] = _raw_writes(base, rank, state, reps)
-    _sampling(rank, quiet, resting, on=True)
+    with _unsampled(rank, quiet, resting):
+        record["raw"] = _raw_writes(base, rank, state, reps)
     if quiet is None:  # --smoke: one set of saves, sampled and timed at once
         record["sampled"] = record["runs"]
     dist.barrier()

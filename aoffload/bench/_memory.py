@@ -155,7 +155,7 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
 def _aoffload(
     report: Report, system: str, record: dict[str, Any], sampler: PssSampler, state: str
 ) -> None:
-    runs, timed = record["runs"], record["timed"]
+    timed = record["timed"]
     if not record["equal"]:
         report.fail(SECTION, system, "the committed checkpoint did not load equal")
     quick = [r for r in timed if r["step"] == 0.0]
@@ -163,8 +163,7 @@ def _aoffload(
     peaks, over = _peaks(sampler, record)
     note = f"{state}; the PSS of the trainer, its worker server and its writer"
     report.add(SECTION, system, "peak staging memory (CommitResult)", "MiB",
-               [r["staging_peak"] / MIB for r in (timed if runs == timed else runs + timed)],
-               state)  # fmt: skip
+               [r["staging_peak"] / MIB for r in timed], state)  # fmt: skip
     report.add(SECTION, system, "peak PSS, trainer + its processes", "MiB", peaks, note)
     report.add(SECTION, system, "peak PSS over the trainer before its state", "MiB", over,
                f"{note}; goal: the state + 640 MiB")  # fmt: skip

@@ -20,7 +20,7 @@ process's tree PSS and finds the peaks inside them), and per save its times. Kin
 
 The section's process samples PSS from outside, and a sample of a process with GiBs
 resident costs it most of a core (:class:`._pss.PssSampler`): every figure of time here
-comes from saves made while the sampling is paused (:func:`_unsampled`), and every figure
+comes from saves made while the sampling is paused (:func:`._pss.paused`), and every figure
 of memory from saves made while it runs.
 """
 
@@ -32,9 +32,10 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ._pss import paused
 
 __all__ = ["main"]
 
@@ -51,22 +52,6 @@ def _state(nbytes: int) -> dict[str, Any]:
         f"layer{i}.weight": torch.rand(size // 4, generator=generator)
         for i in range(max(1, nbytes // size))
     }
-
-
-@contextlib.contextmanager
-def _unsampled(quiet: Any, resting: Any) -> Iterator[None]:
-    """Pause the section's PSS sampling (its ``quiet`` and ``resting`` events) while timing
-    (nothing without them: ``--smoke``)."""
-    if quiet is None:
-        yield
-        return
-    quiet.set()
-    try:
-        if not resting.wait(60):
-            raise RuntimeError("the PSS sampler did not pause")
-        yield
-    finally:
-        quiet.clear()
 
 
 def _idle() -> list[float]:
@@ -121,7 +106,7 @@ def _aoffload(
         long_step = max(0.05, 1.5 * warm["streaming"] + 0.05)
         for _ in range(options["sampled"]):
             runs.append(save(0.0, raw=False))
-        with _unsampled(quiet, resting):
+        with paused(quiet, resting):
             for _ in range(reps):
                 for step in steps:
                     timed.append(save(long_step if step < 0 else step))
@@ -197,7 +182,7 @@ def _peer(
         try:
             runs = timed = _saves(peer, root, kind, reps)
             if options["timed"]:
-                with _unsampled(quiet, resting):
+                with paused(quiet, resting):
                     timed = _saves(peer, root, kind, reps, first=0)
         except Exception:
             if number == len(makers) - 1:
@@ -221,7 +206,7 @@ def main(
     resting: Any,
 ) -> None:
     """The whole run of one system (the target of a spawned process); ``quiet`` and
-    ``resting`` pause the section's PSS sampling (:func:`_unsampled`)."""
+    ``resting`` pause the section's PSS sampling (:func:`._pss.paused`)."""
     logging.basicConfig(level=logging.WARNING, format=f"[{kind}] %(name)s: %(message)s")
     import torch  # noqa: F401 - imported before the idle window: the trainer has it
 

@@ -21,11 +21,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PssSample", "PssSampler", "descendants", "process_pss", "tree_pss"]
+__all__ = ["PssSample", "PssSampler", "descendants", "paused", "process_pss", "tree_pss"]
 
 _PROC = "/proc"
 
@@ -87,6 +87,23 @@ def tree_pss(pid: int) -> int:
     return sum(process_pss(p) for p in descendants(pid))
 
 
+@contextlib.contextmanager
+def paused(quiet: Any, resting: Any) -> Iterator[None]:
+    """In a measured process: the :class:`PssSampler` whose ``quiet`` and ``resting`` these
+    are (events it shares) takes no sample while the block runs, from its first line on;
+    nothing without them (``None``: a run that samples and times the same saves)."""
+    if quiet is None:
+        yield
+        return
+    quiet.set()
+    try:
+        if not resting.wait(60):
+            raise RuntimeError("the PSS sampler did not pause")
+        yield
+    finally:
+        quiet.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class PssSample:
     """One sample: ``time.monotonic()`` and the tree PSS of each root, in bytes."""
@@ -105,8 +122,8 @@ class PssSampler:
 
     Sampling is not free: reading ``smaps_rollup`` walks the process's page tables under its
     mmap lock, about 90 ms for a process with 8 GiB resident, so sampling every 10 ms keeps
-    a core busy. A measured process that times something sets ``quiet`` (a
-    ``multiprocessing`` event) for as long as it times, and waits for ``resting``: set by
+    a core busy. A measured process times inside :func:`paused`, which sets ``quiet`` (a
+    ``multiprocessing`` event) for as long as it times and waits for ``resting``: set by
     this thread once it has stopped sampling, cleared when it samples again.
     """
 
