@@ -21,6 +21,8 @@ from aoffload._runtime.core import WorkerCore
 from aoffload.checkpoint.core.plan import plan
 from aoffload.checkpoint.core.staging import Segment
 from aoffload.checkpoint.writer.calls import (
+    LARGE_BUFFERS,
+    LARGE_CAP,
     TARGET,
     AbortFile,
     Blob,
@@ -33,11 +35,11 @@ from aoffload.checkpoint.writer.calls import (
     TorchRecord,
     WriterConfig,
     WriteRecords,
+    staging_room,
 )
 from aoffload.checkpoint.writer.sink import (
     BOUNCE_BYTES,
     LARGE_BOUNCE_BYTES,
-    LARGE_CAP,
     LARGE_FILE,
     bounce_bytes,
 )
@@ -214,8 +216,52 @@ def test_a_large_file_goes_through_the_large_buffers_and_a_small_one_after_it(
         path.unlink()
 
 
+def _buffers(pid: int | None) -> list[int]:
+    """The sizes of the writer's mappings of a pair of write buffers (small or large)."""
+    sizes = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        start, end = (int(part, 16) for part in line.split()[0].split("-"))
+        if end - start in (2 * BOUNCE_BYTES, 2 * LARGE_BOUNCE_BYTES):
+            sizes.append(end - start)
+    return sorted(sizes)
+
+
+def test_one_large_file_at_a_time_gets_the_large_buffers(
+    tmp_path: Path, writer: WorkerCore, segment: Segment
+) -> None:
+    """The engine's cap keeps room for one pair of large buffers: a second large file open
+    at the same time is written through small ones, and both hold what was fed."""
+    array = segment.array
+    assert array is not None
+    nbytes, piece = LARGE_FILE + 4097, segment.size
+    paths = [tmp_path / "first.bin", tmp_path / "second.bin"]
+    answers = [
+        writer.submit(
+            WriteRecords(str(path), (RawRecord(Streamed(nbytes)),), staging_cap=LARGE_CAP)
+        )
+        for path in paths
+    ]
+    expected = [xxhash.xxh3_64(), xxhash.xxh3_64()]
+    for number, start in enumerate(range(0, nbytes, piece)):
+        size = min(piece, nbytes - start)
+        for which, path in enumerate(paths):
+            array[:size] = torch.arange(size, dtype=torch.uint8) + number + which
+            expected[which].update(array[:size].numpy().tobytes())
+            writer.request(FeedFile(str(path), (Span(segment.path, 0, size),)), timeout=60)
+        if number == 0:
+            assert _buffers(writer.pid) == [2 * BOUNCE_BYTES, 2 * LARGE_BOUNCE_BYTES]
+    for answer, path, hashed in zip(answers, paths, expected, strict=True):
+        record = answer.result(timeout=120)
+        assert record.nbytes == nbytes == path.stat().st_size
+        assert record.xxh3_64 == hashed.hexdigest()
+
+
 def test_the_write_size_follows_the_file_and_the_staging_cap() -> None:
     assert bounce_bytes(0) == bounce_bytes(LARGE_FILE - 1) == BOUNCE_BYTES
     assert bounce_bytes(LARGE_FILE) == bounce_bytes(1 << 40) == LARGE_BOUNCE_BYTES
     assert bounce_bytes(LARGE_FILE, LARGE_CAP) == LARGE_BOUNCE_BYTES
     assert bounce_bytes(LARGE_FILE, LARGE_CAP - 1) == BOUNCE_BYTES  # memory is scarce
+    # the cap that pays for the large buffers keeps them out of its staging chunks
+    assert LARGE_BUFFERS == 2 * LARGE_BOUNCE_BYTES <= LARGE_CAP // 4
+    assert staging_room(LARGE_CAP) == LARGE_CAP - LARGE_BUFFERS
+    assert staging_room(LARGE_CAP - 1) == LARGE_CAP - 1

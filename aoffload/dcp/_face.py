@@ -134,11 +134,11 @@ class DcpFace:
         state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         writer = StorageWriter(self._engine.directory, tag, engine=self._engine, metadata=metadata)
         recorded = _record(state)
-        cap = self._engine._core.staging_cap
-        if state_bytes(recorded) > cap:  # streamed through the cap, in waves
+        room = self._engine._core.staging_room  # the cap less the writer's buffers
+        if state_bytes(recorded) > room:  # streamed through the cap, in waves
             with self._lock:
                 if self._waves is None:
-                    self._waves = WaveMemory(cap)
+                    self._waves = WaveMemory(room)
                 memory = self._waves
             waves = Waves(memory, state, recorded, stage_events())
             writer.waves = waves

@@ -38,6 +38,7 @@ from ..._errors import ClosedError, InvalidStateError, first_line
 from ..._runtime.threads import DaemonThreadExecutor, Handoff, running_future
 from ..format import layout, read, shm, write
 from ..format import metadata as _metadata
+from ..writer.calls import staging_room
 from . import closing
 from .load import MapLocation, load_from
 from .pipeline import Pipeline
@@ -89,6 +90,9 @@ class EngineCore:
         self._pipeline: Pipeline | None = None
         self.staging_cap = 0
         """The staging cap in force once started: ``staging_bytes``, or the default cap."""
+        self.staging_room = 0
+        """What :attr:`staging_cap` leaves for staged bytes beside the writer's large
+        buffers (:func:`~aoffload.checkpoint.writer.calls.staging_room`)."""
         self._commits: DaemonThreadExecutor | None = None
         self._loads: DaemonThreadExecutor | None = None
         self._tag_bytes = layout.MAX_TAG_BYTES
@@ -121,7 +125,7 @@ class EngineCore:
                 shm.remove_dead()  # what SIGKILLed trainers left in /dev/shm
                 chosen, latest = self._staging_bytes, read.latest_bytes(self.directory, found)
                 cap = chosen or default_cap(self.coordinator.together)
-                self.staging_cap = cap
+                self.staging_cap, self.staging_room = cap, staging_room(cap)
                 shm.check_room(latest, self._max_pending, cap, chosen is not None)
                 self.writer.start(self._start_timeout)
                 self._pipeline = Pipeline(self.tags, self.writer, cap, self._unloadable)

@@ -41,6 +41,7 @@ import torch
 
 from ..._errors import CheckpointError, ClosedError
 from ..format import shm
+from ..writer.calls import staging_room
 
 __all__ = ["MIN_STAGING", "Chunk", "Segment", "Slot", "SlotPool", "StagingPool", "default_cap"]
 
@@ -204,7 +205,8 @@ class Chunk:
 
 
 class StagingPool:
-    """An engine's staging memory: at most ``cap`` bytes of chunks (see the module).
+    """An engine's staging memory: at most :attr:`room` bytes of chunks, what the engine's
+    staging cap ``cap`` leaves beside the writer's large buffers (see the module).
 
     ``mapped(segment)`` is called (on the thread that grows the pool, before any chunk of
     the segment is handed out) for each new segment: the writer must map it. Thread-safe.
@@ -212,7 +214,11 @@ class StagingPool:
 
     def __init__(self, cap: int, mapped: Callable[[Segment], None]) -> None:
         self.cap = cap
-        self.chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, cap // 8 // _MIN_CHUNK * _MIN_CHUNK))
+        self.room = staging_room(cap)
+        """The most bytes of chunks: ``cap`` less the writer's large buffers, if it pays for
+        them (:func:`~aoffload.checkpoint.writer.calls.staging_room`)."""
+        room = self.room
+        self.chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, room // 8 // _MIN_CHUNK * _MIN_CHUNK))
         self._mapped = mapped
         self._cond = threading.Condition()
         self._free: list[Chunk] = []
@@ -225,7 +231,7 @@ class StagingPool:
 
     @property
     def size(self) -> int:
-        """Bytes of shared memory the pool holds (mapped), never more than :attr:`cap`."""
+        """Bytes of shared memory the pool holds (mapped), never more than :attr:`room`."""
         return self._size
 
     @property
@@ -243,7 +249,7 @@ class StagingPool:
             while not self._free:
                 if self._closed:
                     raise ClosedError("the checkpoint engine closed while staging waited")
-                if self._size + self.chunk <= self.cap:
+                if self._size + self.chunk <= self.room:
                     self._grow(wanted)
                     break
                 self._cond.wait()
@@ -255,7 +261,7 @@ class StagingPool:
             return chunk
 
     def _grow(self, wanted: int) -> None:
-        room = (self.cap - self._size) // self.chunk * self.chunk
+        room = (self.room - self._size) // self.chunk * self.chunk
         nbytes = min(room, _MAX_SEGMENT, max(self.chunk, _round_up(wanted, self.chunk)))
         segment = Segment(nbytes)  # its size may round up to a page: use what was asked
         try:
@@ -270,9 +276,10 @@ class StagingPool:
             Chunk(segment, offset, self.chunk) for offset in reversed(range(0, nbytes, self.chunk))
         )
         logger.debug(
-            "staging grew by %.0f MiB to %.0f MiB (cap %.0f MiB)",
+            "staging grew by %.0f MiB to %.0f MiB (%.0f MiB of the cap's %.0f for chunks)",
             nbytes / 2**20,
             self._size / 2**20,
+            self.room / 2**20,
             self.cap / 2**20,
         )
 

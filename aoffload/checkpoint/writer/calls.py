@@ -16,6 +16,8 @@ TARGET = "aoffload.checkpoint.writer.service:WriterService"
 """The name a bridge spawns the writer by (a name: importing the calls imports no service)."""
 
 __all__ = [
+    "LARGE_BUFFERS",
+    "LARGE_CAP",
     "TARGET",
     "Blob",
     "Data",
@@ -35,7 +37,23 @@ __all__ = [
     "WatchRank",
     "WriteRecords",
     "WriterConfig",
+    "staging_room",
 ]
+
+LARGE_CAP = 512 << 20
+"""The smallest staging cap that pays for the writer's large write buffers: its large files
+(:data:`~.sink.LARGE_FILE` or more) are then written in 64 MiB writes, and the engine
+keeps :data:`LARGE_BUFFERS` of its cap for them (at most a quarter of it). A smaller cap
+says memory is scarce: the writer keeps its 16 MiB buffers, outside the cap."""
+LARGE_BUFFERS = 128 << 20
+"""The writer's pair of 64 MiB write buffers (:data:`~.sink.LARGE_BOUNCE_BYTES`), which one
+file at a time may use."""
+
+
+def staging_room(cap: int) -> int:
+    """What an engine's staging cap leaves for its staging chunks: the cap less the
+    writer's large buffers where the cap pays for them (:data:`LARGE_CAP`), else all of it."""
+    return cap - LARGE_BUFFERS if cap >= LARGE_CAP else cap
 
 
 @dataclass(frozen=True, slots=True)

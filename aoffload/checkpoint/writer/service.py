@@ -44,7 +44,7 @@ from .calls import (
     WriterConfig,
     WriteRecords,
 )
-from .sink import Sink, bounce_bytes, open_for_write
+from .sink import BOUNCE_BYTES, Sink, bounce_bytes, open_for_write
 from .stream import FileStream, records_nbytes
 from .watch import announce_death
 
@@ -138,6 +138,10 @@ class WriterService(Service):
     def _write(self, message: WriteRecords) -> FileRecord | concurrent.futures.Future[FileRecord]:
         started = time.perf_counter()
         size = bounce_bytes(records_nbytes(message.records), message.staging_cap)
+        if size > BOUNCE_BYTES and any(
+            o.bounce is not None and len(o.bounce) >= 2 * size for o in self._open.values()
+        ):
+            size = BOUNCE_BYTES  # the cap kept room for one large pair (calls.staging_room)
         bounce = self._bounce(size)
         fd, buffers, bounce = open_for_write(
             message.path, self._config.direct_io, bounce, message.root, size

@@ -17,11 +17,11 @@ import numpy as np
 import xxhash
 
 from ... import _paths
+from .calls import LARGE_CAP
 
 __all__ = [
     "BOUNCE_BYTES",
     "LARGE_BOUNCE_BYTES",
-    "LARGE_CAP",
     "LARGE_FILE",
     "Sink",
     "bounce_bytes",
@@ -38,14 +38,11 @@ LARGE_BOUNCE_BYTES = 64 << 20
 64 MiB write at a time faster than four of 16 MiB: on the virtual disk of the host these
 figures come from, a 4 GiB save was durable in 0.81x the time (``docs/performance.md``).
 The price is 96 MiB more of the writer's memory once such a file has been written (the
-buffers are kept for the next one)."""
+buffers are kept for the next one), which the engine keeps out of its staging cap
+(:func:`~.calls.staging_room`)."""
 LARGE_FILE = 512 << 20
 """A file of this many bytes or more may be written through :data:`LARGE_BOUNCE_BYTES`
 buffers: their 128 MiB are at most a quarter of it."""
-LARGE_CAP = 1 << 30
-"""The smallest staging cap of an engine whose large files get the large buffers: they are
-then at most an eighth of the memory its user gave staging. A smaller cap says memory is
-scarce, and keeps the small ones."""
 _DIRECT_ALIGN = 4096
 _GIL_FREE_COPY = 1 << 16
 
