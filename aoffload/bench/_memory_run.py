@@ -27,10 +27,12 @@ of memory from saves made while it runs.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,7 @@ def _aoffload(
             return {
                 "step": step,
                 "stall": called - start + fenced - stepped,
+                "call": called - start,
                 "streaming": fenced - start,
                 "durable": end - start,
                 "start": start,
@@ -208,6 +211,8 @@ def main(
     """The whole run of one system (the target of a spawned process); ``quiet`` and
     ``resting`` pause the section's PSS sampling (:func:`._pss.paused`)."""
     logging.basicConfig(level=logging.WARNING, format=f"[{kind}] %(name)s: %(message)s")
+    # a run that hangs says where, on its stderr, before the section kills it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch  # noqa: F401 - imported before the idle window: the trainer has it
 
     base = Path(root)
