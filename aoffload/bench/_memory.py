@@ -16,6 +16,9 @@ reports, not what it measures).
   than the streaming (goal <= 1 ms); the last checkpoint is loaded back and compared.
   Memory comes from saves made while this process samples PSS, time from saves made
   while it pauses (a sample of a process with GiBs resident costs it most of a core);
+* the same two engines in one process, one save each in turn, 10 rounds (``--smoke``: 1):
+  their ratio, capped / uncapped, round by round, where the disk's drift over the minutes
+  between the two runs above cannot enter it;
 * 200 saves of a 256 MiB state (``--quick``: 60; ``--smoke``: 6 of 16 MiB): the PSS of the
   trainer and of its writer after save 20 and after the last (goal: growth <= 1%);
 * DCP's ``async_save`` with a ``DefaultStager`` and ``torch_checkpointing``, the same
@@ -132,6 +135,12 @@ def run(report: Report, *, quick: bool, smoke: bool, directory: Path | None) -> 
                     continue
                 _aoffload(report, system, record, sampler, state)
             try:
+                options = {"cap": cap, "rounds": 1 if smoke else 10}
+                record = _spawn("alternated", root, nbytes, options, sampler, limit)
+                _alternated(report, record, uncapped, capped)
+            except Exception as exc:  # noqa: BLE001 - an aoffload failure fails the run
+                report.fail(SECTION, "aoffload, alternated saves", exc)
+            try:
                 options = {"saves": saves, "early": early}
                 record = _spawn("long", root, long_bytes, options, sampler, limit * 2)
                 _long(report, record, long_bytes)
@@ -198,6 +207,19 @@ def _aoffload(
                f"a {step:.2f} s step, 1.5x the streaming; goal <= 1 ms")  # fmt: skip
     report.add(SECTION, system, "of which the stage() call", "ms",
                [1e3 * r["call"] for r in slow], "the rest is the fence")  # fmt: skip
+
+
+def _alternated(report: Report, record: dict[str, Any], uncapped: str, capped: str) -> None:
+    rounds = record["rounds"]
+    system = "aoffload, alternated saves"
+    note = "one process, both engines, one save each per round in turn (order alternating)"
+    u = report.add(SECTION, system, f"time to durable, {uncapped}", "s",
+                   [r["uncapped"] for r in rounds], note)  # fmt: skip
+    c = report.add(SECTION, system, f"time to durable, {capped}", "s",
+                   [r["capped"] for r in rounds], note)  # fmt: skip
+    report.add(SECTION, system, "time to durable: capped / uncapped (paired)", "x",
+               [r["capped"] / r["uncapped"] for r in rounds], f"{note}; goal <= 1.15")  # fmt: skip
+    report.ratio(SECTION, "time to durable: capped / uncapped, alternated saves", c, u)
 
 
 def _long(report: Report, record: dict[str, Any], nbytes: int) -> None:

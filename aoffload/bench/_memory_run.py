@@ -129,6 +129,41 @@ def _aoffload(
     }
 
 
+def _alternated(
+    root: Path, state: dict[str, Any], options: dict[str, Any], quiet: Any, resting: Any
+) -> dict[str, Any]:
+    """The same state saved by an uncapped and a capped engine in turn, ``rounds`` times
+    (after a warm-up save each), with the PSS sampling paused: each round's two times to
+    durable were made within seconds of each other, on the same disk."""
+    import aoffload
+
+    cap = options["cap"]
+    with (
+        aoffload.CheckpointEngine(root / "uncapped", keep_last=1) as uncapped,
+        aoffload.CheckpointEngine(root / "capped", keep_last=1, staging_bytes=cap) as capped,
+    ):
+        engines = {"uncapped": uncapped, "capped": capped}
+        with paused(quiet, resting):
+            rounds = _rounds(engines, state, options["rounds"])
+    return {"rounds": rounds}
+
+
+def _rounds(engines: dict[str, Any], state: dict[str, Any], count: int) -> list[dict[str, float]]:
+    rounds: list[dict[str, float]] = []
+    for number in range(count + 1):
+        times = {}
+        order = list(engines) if number % 2 == 0 else list(reversed(engines))
+        for name in order:
+            tag = f"t{number}"
+            start = time.monotonic()
+            engines[name].stage(state, "model.pt", tag=tag).result()
+            engines[name].commit(tag).result()
+            times[name] = time.monotonic() - start
+        if number > 0:  # the first round warms each engine's staging memory
+            rounds.append(times)
+    return rounds
+
+
 def _long(root: Path, state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     import aoffload
 
@@ -224,6 +259,8 @@ def main(
         record.update(_aoffload(base, state, options, quiet, resting))
     elif kind == "long":
         record.update(_long(base, state, options))
+    elif kind == "alternated":
+        record.update(_alternated(base, state, options, quiet, resting))
     else:
         record.update(_peer(base, state, kind, options, quiet, resting))
     Path(out).write_text(json.dumps(record))
